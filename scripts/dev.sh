@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One entry point for a fresh clone: installs everything into .venv, then runs the demo or the tests.
+#   bash scripts/dev.sh demo   install, then run the main job
+#   bash scripts/dev.sh test   install (with test tools and services), then run the whole test suite
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+venv="$root/.venv"
+py=${PYTHON:-python3.11}
+command -v "$py" >/dev/null 2>&1 || py=python3
+
+need_debian() {
+    # Installs Debian packages the tests use when they are missing (CI and a first run are root).
+    local missing=()
+    for pkg in "$@"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "dev.sh: please install Debian packages: ${missing[*]}" >&2
+        return 1
+    fi
+    echo "dev.sh: apt-get install ${missing[*]}"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+install_venv() {
+    local extras=$1
+    [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+    local stamp="$venv/.tidekv-installed-$extras"
+    local want
+    want=$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -c1-16)
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+        echo "dev.sh: installing into .venv ($extras)"
+        "$venv/bin/pip" install -q --upgrade pip 2>/dev/null
+        # torch first, pinned: its CPU build lies on the machine's disk.
+        "$venv/bin/pip" install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
+        "$venv/bin/pip" install -q -e ".[$extras]" 2>&1 | grep -v "is ignored" || true
+        "$venv/bin/python" -c "import torch, grpc" # fail loudly if the install did not work
+        echo "$want" >"$stamp"
+    fi
+    "$venv/bin/python" -m proto.build
+}
+
+case "${1:-}" in
+    demo)
+        install_venv test
+        shift
+        exec "$venv/bin/tidekv" demo "$@"
+        ;;
+    test)
+        need_debian redis-server
+        install_venv test
+        shift
+        "$venv/bin/ruff" check .
+        exec "$venv/bin/python" -m pytest "$@"
+        ;;
+    *)
+        echo "usage: bash scripts/dev.sh demo|test [args]" >&2
+        exit 2
+        ;;
+esac
