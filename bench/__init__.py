@@ -1,0 +1,1 @@
+"""Benchmarks. Each prints one JSON object and measures its baseline in the same run."""

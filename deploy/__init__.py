@@ -1,0 +1,1 @@
+"""Launchers and manifests: the ``tidekv`` command line, local process clusters, Ray, Kubernetes."""

@@ -1,0 +1,98 @@
+"""Engine benchmark against transformers' KimiLinearForCausalLM (same config, same weights).
+
+Prints JSON: decode step time at batch 1 and 8 for contexts 512 and 2048, and prefill
+tokens/s for 2048 tokens, for both implementations, with ratios (ours / theirs).
+Usage: python -m bench.engine [--quick] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+
+import torch
+
+import engine
+from bench.common import timed
+from engine.checkpoint import save_checkpoint, seeded_tensors
+from engine.config import tiny_config
+
+
+def _ours_decode(model, ctx: int, batch: int, steps: int) -> dict:
+    cache = model.new_cache(num_pages=batch * (ctx + steps + 64) // 32 + batch, num_slots=batch, block_size=32)
+    first = cache.try_reserve("r0", ctx + steps + 32)
+    ids = torch.randint(0, 256, (ctx,), generator=torch.Generator().manual_seed(0)).tolist()
+    model.prefill(cache, first, ids)
+    snap = engine.export_prefix(cache, first, ctx)
+    seqs = [first]
+    for b in range(1, batch):  # clone the prefilled cache instead of prefilling again
+        s = cache.try_reserve(f"r{b}", ctx + steps + 32)
+        engine.import_prefix(cache, s, snap)
+        seqs.append(s)
+    tok = [1] * batch
+    return timed(lambda: model.decode_step(cache, seqs, tok), repeats=steps, warmup=2)
+
+
+def _hf_decode(hf, ctx: int, batch: int, steps: int) -> dict:
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, 256, (1, ctx), generator=torch.Generator().manual_seed(0)).expand(batch, -1)
+    cache = DynamicCache(config=hf.config)
+    hf(ids, cache=cache, use_cache=True)
+    tok = torch.ones(batch, 1, dtype=torch.long)
+    return timed(lambda: hf(tok, cache=cache, use_cache=True), repeats=steps, warmup=2)
+
+
+def _prefill(model, hf, n: int, repeats: int) -> dict:
+    ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def ours():
+        cache = model.new_cache(num_pages=n // 32 + 1, num_slots=1, block_size=32)
+        model.prefill(cache, cache.try_reserve("p", n), ids)
+
+    o = timed(ours, repeats)
+    t = timed(lambda: hf(torch.tensor([ids]), logits_to_keep=1), repeats)
+    return {
+        "tokens": n,
+        "ours_tok_s": n / o["median_s"], "transformers_tok_s": n / t["median_s"],
+        "ours": o, "transformers": t, "speedup": t["median_s"] / o["median_s"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer repeats, smaller contexts")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    from transformers import KimiLinearForCausalLM
+
+    cfg = tiny_config()
+    with tempfile.TemporaryDirectory() as d:
+        save_checkpoint(d, cfg, seeded_tensors(cfg, 11))
+        model = engine.load_model(d)
+        hf = KimiLinearForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    steps = 5 if args.quick else 20
+    contexts = (512,) if args.quick else (512, 2048)
+    result: dict = {"config": cfg.name, "threads": args.threads, "decode": [], "prefill": None}
+    with torch.inference_mode():
+        for ctx in contexts:
+            for batch in (1, 8):
+                o = _ours_decode(model, ctx, batch, steps)
+                t = _hf_decode(hf, ctx, batch, steps)
+                result["decode"].append({
+                    "context": ctx, "batch": batch, "ours_ms": o["median_s"] * 1e3,
+                    "transformers_ms": t["median_s"] * 1e3, "ratio": o["median_s"] / t["median_s"],
+                    "ours": o, "transformers": t,
+                })
+                print(f"decode ctx={ctx} batch={batch}: ours {o['median_s'] * 1e3:.1f} ms, "
+                      f"transformers {t['median_s'] * 1e3:.1f} ms", file=sys.stderr)
+        result["prefill"] = _prefill(model, hf, 512 if args.quick else 2048, 2 if args.quick else 3)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Per-request cache memory: MLA latent pages from a bounded pool and one KDA state slot.
+
+Owns allocation and freeing only; it knows nothing of scheduling (the caller decides what to
+do when ``try_*`` returns None). Pages are the unit the KV store moves.
+
+Layout::
+
+    PagePool.kv        [num_mla_layers, num_pages, block_size, latent_dim]
+                        page p holds one block of one request for every MLA layer: kv[:, p]
+    StateSlots.state   [num_kda_layers, num_slots, H, D, D]   fp32 recurrent state
+    StateSlots.conv    [num_kda_layers, num_slots, K-1, 3*H*D] fp32 short-conv window
+
+    token t of a request lives at kv[:, pages[t // block_size], t % block_size]
+
+Not thread-safe: one owner (the engine loop of a worker) calls it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import ModelConfig
+
+
+class PagePool:
+    """A bounded pool of fixed-size MLA pages."""
+
+    def __init__(self, cfg: ModelConfig, num_pages: int, block_size: int, dtype: torch.dtype, device: str):
+        if num_pages <= 0 or block_size <= 0:
+            raise ValueError(f"num_pages={num_pages} and block_size={block_size} must be positive")
+        self.block_size = block_size
+        self.kv = torch.zeros(len(cfg.mla_layer_ids), num_pages, block_size, cfg.latent_dim, dtype=dtype, device=device)
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._used: set[int] = set()
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv.shape[1]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.kv[:, 0].numel() * self.kv.element_size()
+
+    def try_allocate(self, n: int) -> list[int] | None:
+        """n page ids, or None (and nothing taken) when fewer than n are free."""
+        if n > len(self._free):
+            return None
+        pages = [self._free.pop() for _ in range(n)]
+        self._used.update(pages)
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for p in pages:
+            if p not in self._used:
+                raise ValueError(f"page {p} freed but not allocated")
+            self._used.remove(p)
+            self._free.append(p)
+
+    def check_integrity(self) -> None:
+        assert len(self._free) + len(self._used) == self.num_pages, "pages lost or duplicated"
+        assert not self._used.intersection(self._free), "a page is both free and used"
+
+
+class StateSlots:
+    """A bounded set of KDA state slots, one per running request."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, device: str):
+        n_kda = len(cfg.kda_layer_ids)
+        h, d = cfg.kda_num_heads, cfg.kda_head_dim
+        self.state = torch.zeros(n_kda, num_slots, h, d, d, dtype=torch.float32, device=device)
+        self.conv = torch.zeros(n_kda, num_slots, cfg.conv_window_len, cfg.conv_channels,
+                                dtype=torch.float32, device=device)
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def try_allocate(self) -> int | None:
+        """A zeroed slot id, or None when all slots are taken."""
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._used.add(slot)
+        self.state[:, slot].zero_()
+        self.conv[:, slot].zero_()
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot not in self._used:
+            raise ValueError(f"state slot {slot} freed but not allocated")
+        self._used.remove(slot)
+        self._free.append(slot)
+
+    def check_integrity(self) -> None:
+        assert len(self._free) + len(self._used) == self.state.shape[1], "slots lost or duplicated"
+
+
+@dataclass
+class SequenceCache:
+    """One request's cache: its pages (in token order), its KDA slot, and how many tokens it holds."""
+
+    request_id: str
+    pages: list[int]
+    slot: int
+    num_tokens: int = 0
+    snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """KDA (state, conv) copies taken at token boundaries during prefill: position -> tensors."""
+
+
+class CacheManager:
+    """Hands out SequenceCaches from one page pool and one slot set."""
+
+    def __init__(self, cfg: ModelConfig, num_pages: int, num_slots: int, block_size: int,
+                 dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        self.cfg = cfg
+        self.pool = PagePool(cfg, num_pages, block_size, dtype, device)
+        self.slots = StateSlots(cfg, num_slots, device)
+        self.block_size = block_size
+        self.live: dict[str, SequenceCache] = {}
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def try_reserve(self, request_id: str, num_tokens: int) -> SequenceCache | None:
+        """Reserves pages for num_tokens and a state slot, or returns None (nothing taken)."""
+        if request_id in self.live:
+            raise ValueError(f"request {request_id!r} already holds a cache")
+        pages = self.pool.try_allocate(self.pages_for(num_tokens))
+        if pages is None:
+            return None
+        slot = self.slots.try_allocate()
+        if slot is None:
+            self.pool.free(pages)
+            return None
+        seq = SequenceCache(request_id, pages, slot)
+        self.live[request_id] = seq
+        return seq
+
+    def try_extend(self, seq: SequenceCache, num_tokens: int) -> bool:
+        """Grows seq's pages to hold num_tokens; False (nothing taken) when the pool is short."""
+        need = self.pages_for(num_tokens) - len(seq.pages)
+        if need <= 0:
+            return True
+        more = self.pool.try_allocate(need)
+        if more is None:
+            return False
+        seq.pages.extend(more)
+        return True
+
+    def release(self, seq: SequenceCache) -> None:
+        """Frees everything seq holds. Idempotent per request."""
+        if self.live.pop(seq.request_id, None) is None:
+            return
+        self.pool.free(seq.pages)
+        self.slots.free(seq.slot)
+        seq.pages = []
+        seq.snapshots.clear()
+
+    def rows(self, seq: SequenceCache, mla_index: int, start: int, end: int) -> torch.Tensor:
+        """Latent rows [end-start, L] of tokens [start, end) of one MLA layer (a copy if paged)."""
+        if end <= start:
+            return self.pool.kv.new_zeros(0, self.cfg.latent_dim)
+        bs = self.block_size
+        first, last = start // bs, (end - 1) // bs
+        idx = torch.tensor(seq.pages[first : last + 1], device=self.pool.kv.device)
+        flat = self.pool.kv[mla_index, idx].reshape(-1, self.cfg.latent_dim)
+        return flat[start - first * bs : end - first * bs]
+
+    def write_rows(self, seq: SequenceCache, mla_index: int, start: int, rows: torch.Tensor) -> None:
+        """Writes rows [n, L] for tokens [start, start+n) of one MLA layer into seq's pages."""
+        bs, kv = self.block_size, self.pool.kv[mla_index]
+        pos, n = start, rows.shape[0]
+        while pos < start + n:
+            page, off = seq.pages[pos // bs], pos % bs
+            take = min(bs - off, start + n - pos)
+            kv[page, off : off + take] = rows[pos - start : pos - start + take]
+            pos += take
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        self.slots.check_integrity()
+        held = [p for s in self.live.values() for p in s.pages]
+        assert len(held) == len(set(held)), "a page is held by two requests"
+        assert len(held) == self.pool.num_pages - self.pool.num_free, "pages leaked"

@@ -1,0 +1,181 @@
+"""Kimi Delta Attention (KDA): the linear-attention layer with a fixed-size recurrent state.
+
+Owns the KDA math of the reference page: projections, the causal short convolution with its
+window, the per-channel forget gate, the delta rule (a recurrent single-token step and an
+equivalent chunked form for prefill) and the gated output norm. All state math runs in fp32.
+
+Per-request state of one layer (see ``engine.cache.StateSlots``)::
+
+    recurrent  [H, D_k, D_v]   fp32, S in  o = S^T q
+    conv       [K-1, 3*H*D]    the last K-1 pre-conv inputs of q | k | v (oldest first)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+
+DEFAULT_CHUNK_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class KDAWeights:
+    w_qkv: torch.Tensor  # [3*H*D, hidden]: q_proj | k_proj | v_proj stacked
+    conv: torch.Tensor  # [3*H*D, K]: q_conv1d | k_conv1d | v_conv1d stacked, depthwise
+    w_o: torch.Tensor  # [hidden, H*D]
+    a_neg: torch.Tensor  # [H, 1] = -exp(A_log), fp32
+    dt_bias: torch.Tensor  # [H*D] fp32
+    w_fa: torch.Tensor
+    w_fb: torch.Tensor
+    w_b: torch.Tensor
+    w_ga: torch.Tensor
+    w_gb: torch.Tensor
+    o_norm: torch.Tensor  # [D]
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str) -> KDAWeights:
+        g = lambda n: t[prefix + n]  # noqa: E731
+        return cls(
+            w_qkv=torch.cat([g("q_proj.weight"), g("k_proj.weight"), g("v_proj.weight")], 0),
+            conv=torch.cat([g("q_conv1d.weight"), g("k_conv1d.weight"), g("v_conv1d.weight")], 0).squeeze(1),
+            w_o=g("o_proj.weight"),
+            a_neg=-g("A_log").float().reshape(-1, 1).exp(),
+            dt_bias=g("dt_bias").float(),
+            w_fa=g("f_a_proj.weight"),
+            w_fb=g("f_b_proj.weight"),
+            w_b=g("b_proj.weight"),
+            w_ga=g("g_a_proj.weight"),
+            w_gb=g("g_b_proj.weight"),
+            o_norm=g("o_norm.weight").float(),
+        )
+
+
+class KDALayer:
+    """One KDA layer. Stateless itself: every call takes and returns the request state."""
+
+    def __init__(self, cfg: ModelConfig, w: KDAWeights, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+        self.w = w
+        self.num_heads, self.head_dim = cfg.kda_num_heads, cfg.kda_head_dim
+        self.eps = cfg.rms_norm_eps
+        self.chunk_tokens = chunk_tokens
+
+    # ---- shared pieces -----------------------------------------------------------------------
+    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log forget gate g [N, H, D] (<= 0) and write strength beta [N, H], both fp32."""
+        w = self.w
+        f = F.linear(F.linear(x, w.w_fa), w.w_fb).float() + w.dt_bias
+        f = f.view(-1, self.num_heads, self.head_dim)
+        g = w.a_neg * F.softplus(f, threshold=20.0)
+        beta = torch.sigmoid(F.linear(x, w.w_b).float())
+        return g, beta
+
+    def _qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Splits post-conv activations [N, 3*H*D] into normalised, scaled q, k and v [N, H, D]."""
+        n = mixed.shape[0]
+        q, k, v = mixed.float().view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * self.head_dim**-0.5
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        return q, k, v
+
+    def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Gated per-head RMSNorm of o [N, H, D], then o_proj."""
+        w = self.w
+        gate = F.linear(F.linear(x, w.w_ga), w.w_gb).float().view_as(o)
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * w.o_norm
+        o = (o * torch.sigmoid(gate)).to(x.dtype).reshape(o.shape[0], -1)
+        return F.linear(o, w.w_o)
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def prefill(
+        self, x: torch.Tensor, conv_window: torch.Tensor, state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Runs T tokens x [T, hidden] from (conv_window, state); returns (out, new window, new state).
+
+        Inputs are not modified; the caller stores the returned state.
+        """
+        w = self.w
+        mixed = F.linear(x, w.w_qkv)  # [T, C]
+        k_len = w.conv.shape[1]
+        full = torch.cat([conv_window.to(mixed.dtype), mixed], 0)  # [K-1+T, C]
+        new_window = full[-(k_len - 1):].float().clone()
+        conv = F.conv1d(full.t().unsqueeze(0), w.conv.unsqueeze(1), groups=full.shape[1])[0].t()
+        q, k, v = self._qkv(F.silu(conv))
+        g, beta = self._gates(x)
+        o, new_state = chunked_delta_rule(q, k, v, g, beta, state.float(), self.chunk_tokens)
+        return self._output(x, o), new_window, new_state
+
+    # ---- decode -------------------------------------------------------------------------------
+    def decode(self, x: torch.Tensor, conv_window: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """One token for each of B requests: x [B, hidden], conv_window [B, K-1, C], state [B, H, D, D].
+
+        Updates conv_window and state in place (they are per-batch gathered copies).
+        """
+        w = self.w
+        mixed = F.linear(x, w.w_qkv)  # [B, C]
+        full = torch.cat([conv_window.to(mixed.dtype), mixed.unsqueeze(1)], 1)  # [B, K, C]
+        conv_window.copy_(full[:, 1:])
+        q, k, v = self._qkv(F.silu((full * w.conv.t()).sum(1)))
+        g, beta = self._gates(x)
+        state.mul_(g.exp().unsqueeze(-1))
+        u = (v - torch.einsum("bhkv,bhk->bhv", state, k)) * beta.unsqueeze(-1)
+        state.add_(k.unsqueeze(-1) * u.unsqueeze(-2))
+        o = torch.einsum("bhkv,bhk->bhv", state, q)
+        return self._output(x, o)
+
+
+def chunked_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, chunk_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule over T tokens in chunks; equals T recurrent steps.
+
+    q, k, v, g: [T, H, D] fp32 (g is the log decay, <= 0); beta [T, H]; state [H, Dk, Dv].
+    Returns (o [T, H, Dv], final state).
+
+    Within a chunk, with G the cumulative log decay and S0 the state entering it:
+        U = (I + diag(b) A)^-1 diag(b) (V - (K * e^G) S0),  A[t,s] = sum_c k_t k_s e^(G_t-G_s), s < t
+        O = (Q * e^G) S0 + M U,                             M[t,s] = sum_c q_t k_s e^(G_t-G_s), s <= t
+        S1 = e^(G_C) * S0 + (K * e^(G_C - G))^T U
+    The pairwise decays are formed as exp(G_t - G_s) with s <= t, never as a product of
+    exp(G_t) * exp(-G_s), which overflows. The two solves that do not depend on S0 run for all
+    chunks at once; only the short state recurrence is sequential.
+    """
+    t_len, h, d_k = k.shape
+    pad = (-t_len) % chunk_tokens
+    if pad:
+        q, k, v, g = (F.pad(a, (0, 0, 0, 0, 0, pad)) for a in (q, k, v, g))
+        beta = F.pad(beta, (0, 0, 0, pad))
+    n, c = (t_len + pad) // chunk_tokens, chunk_tokens
+    # [H, N, C, D] layout from here on.
+    q, k, v, g = (a.view(n, c, h, -1).permute(2, 0, 1, 3) for a in (q, k, v, g))
+    beta = beta.view(n, c, h).permute(2, 0, 1)
+    G = g.cumsum(2)
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    # decay[h, n, t, s, d] = exp(G_t - G_s) for s <= t, 0 above the diagonal.
+    diff = (G.unsqueeze(3) - G.unsqueeze(2)).masked_fill(~causal[..., None], float("-inf"))
+    decay = diff.exp_()
+    a_mat = torch.einsum("hntd,hnsd,hntsd->hnts", k, k, decay).tril(-1) * beta.unsqueeze(-1)
+    m_mat = torch.einsum("hntd,hnsd,hntsd->hnts", q, k, decay)
+    del decay, diff
+    eye = torch.eye(c, device=q.device, dtype=q.dtype)
+    lower = eye + a_mat
+    b_v = v * beta.unsqueeze(-1)
+    b_k = k * G.exp() * beta.unsqueeze(-1)
+    rhs = torch.cat([b_v, b_k], -1)
+    sol = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+    w_v, w_k = sol[..., : v.shape[-1]], sol[..., v.shape[-1]:]  # U = w_v - w_k @ S0
+    q_dec = q * G.exp()
+    k_tail = k * (G[:, :, -1:] - G).exp()  # e^(G_C - G_s)
+    g_last = G[:, :, -1].exp()  # [H, N, D]
+    out = torch.empty_like(v)
+    s = state
+    for i in range(n):
+        u = w_v[:, i] - w_k[:, i] @ s
+        out[:, i] = q_dec[:, i] @ s + m_mat[:, i] @ u
+        s = g_last[:, i].unsqueeze(-1) * s + k_tail[:, i].transpose(-1, -2) @ u
+    out = out.permute(1, 2, 0, 3).reshape(n * c, h, -1)[:t_len]
+    return out, s

@@ -1,0 +1,180 @@
+"""The hybrid model: a stack of KDA and MLA layers with dense/MoE feed-forwards, run against
+a ``CacheManager``.
+
+Owns the two forward passes the servers use:
+- ``prefill``: one request, its uncached tokens in chunks (cut at a configured size and at
+  requested snapshot points); after each layer of each chunk an optional hook fires so a
+  prefill worker can push that layer's rows while the next layer computes.
+- ``decode_step``: one token for each of a batch of requests of different lengths.
+Both read and write the request's pages and state slot in place; neither allocates cache
+memory (the caller reserves or extends pages first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.cache import CacheManager, SequenceCache
+from engine.config import ModelConfig
+from engine.kda import KDALayer, KDAWeights
+from engine.mla import MLALayer, MLAWeights
+from engine.moe import MLPWeights, MoE, MoEWeights
+
+LayerHook = Callable[[int, int, int], None]
+"""``hook(layer_id, token_start, token_end)``: called once a layer's cache for that range is written."""
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class Block:
+    layer_id: int
+    attn: KDALayer | MLALayer
+    ffn: MLPWeights | MoE
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    cache_index: int  # index among MLA layers (pool) or among KDA layers (slots)
+
+    @property
+    def is_mla(self) -> bool:
+        return isinstance(self.attn, MLALayer)
+
+
+class HybridModel:
+    """Weights plus the forward passes. Thread-compatible: callers serialise use of a cache."""
+
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], fingerprint: str,
+                 device: str = "cpu", dtype: torch.dtype = torch.float32, prefill_chunk_tokens: int = 256):
+        self.cfg, self.fingerprint, self.device, self.dtype = cfg, fingerprint, device, dtype
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        fp32_names = ("A_log", "dt_bias", "gate.weight", "e_score_correction_bias")
+        t = {n: v.to(device=device, dtype=torch.float32 if n.endswith(fp32_names) else dtype)
+             for n, v in tensors.items()}
+        self.embed = t["model.embed_tokens.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else t["lm_head.weight"]
+        self.final_norm = t["model.norm.weight"]
+        self.blocks = [self._block(t, i) for i in range(cfg.num_hidden_layers)]
+
+    def _block(self, t: dict[str, torch.Tensor], i: int) -> Block:
+        cfg, p = self.cfg, f"model.layers.{i}."
+        if cfg.is_mla(i):
+            attn: KDALayer | MLALayer = MLALayer(cfg, MLAWeights.from_tensors(t, p + "self_attn."))
+            index = cfg.mla_layer_ids.index(i)
+        else:
+            attn = KDALayer(cfg, KDAWeights.from_tensors(t, p + "self_attn."))
+            index = cfg.kda_layer_ids.index(i)
+        if cfg.is_moe(i):
+            ffn: MLPWeights | MoE = MoE(cfg, MoEWeights.from_tensors(t, p + "block_sparse_moe.", cfg.num_experts))
+        else:
+            ffn = MLPWeights.from_tensors(t, p + "mlp.")
+        return Block(i, attn, ffn, t[p + "input_layernorm.weight"], t[p + "post_attention_layernorm.weight"], index)
+
+    def new_cache(self, num_pages: int, num_slots: int, block_size: int) -> CacheManager:
+        return CacheManager(self.cfg, num_pages, num_slots, block_size, self.dtype, self.device)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(hidden, self.final_norm, self.cfg.rms_norm_eps), self.lm_head).float()
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def prefill(
+        self, cache: CacheManager, seq: SequenceCache, token_ids: Sequence[int], *,
+        all_logits: bool = False, chunk_tokens: int | None = None, snapshot_at: Sequence[int] = (),
+        on_layer: LayerHook | None = None,
+    ) -> torch.Tensor:
+        """Appends token_ids at positions [seq.num_tokens, +len) and returns float32 logits:
+        [len, vocab] if all_logits else [1, vocab] for the last token.
+
+        Chunks are cut every ``chunk_tokens`` and at each absolute position in ``snapshot_at``,
+        where a copy of the KDA state is kept in ``seq.snapshots`` (no recomputation).
+        """
+        start = seq.num_tokens
+        end = start + len(token_ids)
+        if end > len(seq.pages) * cache.block_size:
+            raise ValueError(f"request {seq.request_id}: {end} tokens need more than its {len(seq.pages)} pages")
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device)
+        outs = []
+        for lo, hi in _chunks(start, end, chunk_tokens or self.prefill_chunk_tokens, snapshot_at):
+            hidden = self._prefill_chunk(cache, seq, ids[lo - start : hi - start], lo, on_layer)
+            seq.num_tokens = hi
+            if hi in snapshot_at:
+                seq.snapshots[hi] = (cache.slots.state[:, seq.slot].clone(), cache.slots.conv[:, seq.slot].clone())
+            outs.append(hidden if all_logits else hidden[-1:])
+        return self.logits(torch.cat(outs) if all_logits else outs[-1])
+
+    def _prefill_chunk(self, cache: CacheManager, seq: SequenceCache, ids: torch.Tensor, start: int,
+                       on_layer: LayerHook | None) -> torch.Tensor:
+        x = F.embedding(ids, self.embed)
+        end = start + ids.shape[0]
+        eps = self.cfg.rms_norm_eps
+        for blk in self.blocks:
+            h = rms_norm(x, blk.in_norm, eps)
+            if blk.is_mla:
+                rows = blk.attn.latents(h)
+                past = cache.rows(seq, blk.cache_index, 0, start)
+                out = blk.attn.prefill(h, past, rows)
+                cache.write_rows(seq, blk.cache_index, start, rows)
+            else:
+                k, s = blk.cache_index, seq.slot
+                out, window, state = blk.attn.prefill(h, cache.slots.conv[k, s], cache.slots.state[k, s])
+                cache.slots.conv[k, s] = window
+                cache.slots.state[k, s] = state
+            x = x + out
+            x = x + blk.ffn(rms_norm(x, blk.post_norm, eps))
+            if on_layer is not None:
+                on_layer(blk.layer_id, start, end)
+        return x
+
+    # ---- decode -------------------------------------------------------------------------------
+    def decode_step(self, cache: CacheManager, seqs: Sequence[SequenceCache], token_ids: Sequence[int]) -> torch.Tensor:
+        """Feeds token_ids[b] at position seqs[b].num_tokens for every b; returns logits [B, vocab]."""
+        dev, bs = self.device, cache.block_size
+        pos = torch.tensor([s.num_tokens for s in seqs], device=dev)
+        for s in seqs:
+            if s.num_tokens >= len(s.pages) * bs:
+                raise ValueError(f"request {s.request_id}: no page for position {s.num_tokens}; extend first")
+        max_pages = max(len(s.pages) for s in seqs)
+        table = torch.tensor([s.pages + [0] * (max_pages - len(s.pages)) for s in seqs], device=dev)
+        write_page = table.gather(1, (pos // bs).unsqueeze(1)).squeeze(1)
+        write_off = pos % bs
+        valid = torch.arange(max_pages * bs, device=dev).unsqueeze(0) <= pos.unsqueeze(1)
+        slots = torch.tensor([s.slot for s in seqs], device=dev)
+        x = F.embedding(torch.as_tensor(list(token_ids), device=dev), self.embed)
+        eps = self.cfg.rms_norm_eps
+        for blk in self.blocks:
+            h = rms_norm(x, blk.in_norm, eps)
+            if blk.is_mla:
+                kv = cache.pool.kv[blk.cache_index]
+                kv[write_page, write_off] = blk.attn.latents(h)
+                rows = kv[table].reshape(len(seqs), max_pages * bs, -1)
+                out = blk.attn.decode(h, rows, valid)
+            else:
+                k = blk.cache_index
+                state, window = cache.slots.state[k, slots], cache.slots.conv[k, slots]
+                out = blk.attn.decode(h, window, state)
+                cache.slots.state[k, slots] = state
+                cache.slots.conv[k, slots] = window
+            x = x + out
+            x = x + blk.ffn(rms_norm(x, blk.post_norm, eps))
+        for s in seqs:
+            s.num_tokens += 1
+        return self.logits(x)
+
+
+def _chunks(start: int, end: int, size: int, cuts: Sequence[int]) -> list[tuple[int, int]]:
+    """[lo, hi) ranges covering [start, end): at most ``size`` long, also cut at every ``cuts``."""
+    bounds = sorted({c for c in cuts if start < c < end} | set(range(start + size, end, size)) | {end})
+    out, lo = [], start
+    for hi in bounds:
+        while hi - lo > size:
+            out.append((lo, lo + size))
+            lo += size
+        out.append((lo, hi))
+        lo = hi
+    return out

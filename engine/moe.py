@@ -1,0 +1,111 @@
+"""Feed-forward blocks: the dense SwiGLU MLP and the routed mixture of experts.
+
+Owns the sigmoid router (correction bias for choice only, renormalised top-k weights,
+routed scaling factor, optional group limit) and the expert dispatch. Dispatch never loops
+over tokens: small batches gather the chosen experts' weights and run batched matmuls; large
+ones sort tokens by expert and run one matmul per expert that received tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class MLPWeights:
+    w_gate_up: torch.Tensor  # [2*I, hidden]: gate_proj | up_proj
+    w_down: torch.Tensor  # [hidden, I]
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str) -> MLPWeights:
+        return cls(torch.cat([t[prefix + "gate_proj.weight"], t[prefix + "up_proj.weight"]], 0),
+                   t[prefix + "down_proj.weight"])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.w_gate_up).chunk(2, -1)
+        return F.linear(F.silu(gate) * up, self.w_down)
+
+
+@dataclass(frozen=True)
+class MoEWeights:
+    router: torch.Tensor  # [E, hidden] fp32
+    bias: torch.Tensor  # [E] fp32, used for choosing only
+    w13: torch.Tensor  # [E, 2*I, hidden]: w1 (gate) | w3 (up)
+    w2: torch.Tensor  # [E, hidden, I]
+    shared: MLPWeights
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str, num_experts: int) -> MoEWeights:
+        e = [f"{prefix}experts.{i}." for i in range(num_experts)]
+        return cls(
+            router=t[prefix + "gate.weight"].float(),
+            bias=t[prefix + "gate.e_score_correction_bias"].float(),
+            w13=torch.stack([torch.cat([t[p + "w1.weight"], t[p + "w3.weight"]], 0) for p in e]),
+            w2=torch.stack([t[p + "w2.weight"] for p in e]),
+            shared=MLPWeights.from_tensors(t, prefix + "shared_experts."),
+        )
+
+
+class MoE:
+    def __init__(self, cfg: ModelConfig, w: MoEWeights):
+        self.w = w
+        self.top_k = cfg.num_experts_per_token
+        self.num_experts = cfg.num_experts
+        self.groups, self.topk_group = cfg.num_expert_group, cfg.topk_group
+        self.renormalize = cfg.moe_renormalize
+        self.scaling = cfg.routed_scaling_factor
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chosen experts [N, k] and their weights [N, k] (fp32) for x [N, hidden]."""
+        scores = torch.sigmoid(F.linear(x.float(), self.w.router))
+        choice = scores + self.w.bias
+        if self.groups > 1:
+            grouped = choice.view(-1, self.groups, self.num_experts // self.groups)
+            group_scores = grouped.topk(2, -1).values.sum(-1)
+            keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_group, -1).indices, 1.0)
+            choice = choice.masked_fill(~keep.bool().repeat_interleave(self.num_experts // self.groups, 1), -torch.inf)
+        idx = choice.topk(self.top_k, -1).indices
+        weights = scores.gather(1, idx)
+        if self.renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return idx, weights * self.scaling
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        idx, weights = self.route(x)
+        if idx.numel() <= self.num_experts:
+            routed = self._gathered(x, idx, weights)
+        else:
+            routed = self._grouped(x, idx, weights)
+        return routed + self.w.shared(x)
+
+    def _gathered(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Few tokens: gather the chosen experts' weights and run one batched matmul."""
+        n, k = idx.shape
+        flat = idx.reshape(-1)
+        xs = x.repeat_interleave(k, 0).unsqueeze(-1)  # [n*k, hidden, 1]
+        gate, up = torch.bmm(self.w.w13[flat], xs).squeeze(-1).chunk(2, -1)
+        y = torch.bmm(self.w.w2[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)  # [n*k, hidden]
+        return (y.view(n, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+
+    def _grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Many tokens: sort (token, slot) pairs by expert, one matmul per expert with tokens."""
+        n, k = idx.shape
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token_of = order // k
+        xs = x[token_of]
+        out = torch.empty_like(xs)
+        start = 0
+        for e, cnt in enumerate(counts):
+            if cnt:
+                gate, up = F.linear(xs[start : start + cnt], self.w.w13[e]).chunk(2, -1)
+                out[start : start + cnt] = F.linear(F.silu(gate) * up, self.w.w2[e])
+                start += cnt
+        out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, out)

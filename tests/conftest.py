@@ -1,0 +1,9 @@
+"""Test-wide settings: deterministic, small thread counts (CI machines have 2 cores)."""
+
+import os
+
+import torch
+
+os.environ.setdefault("TIDEKV_TORCH_THREADS", "1")
+torch.set_num_threads(int(os.environ["TIDEKV_TORCH_THREADS"]))
+torch.set_flush_denormal(True)
