@@ -1,0 +1,209 @@
+"""Global index interface: which worker holds which block at which tier, plus the worker registry.
+
+This module owns the *contract* and its frozen value types; it holds no state. Two backends
+implement it: ``kvstore.index_memory.MemoryIndex`` (embedded in the Conductor) and
+``kvstore.index_redis.RedisIndex`` (shared by several Conductors); ``FallbackIndex`` in
+``kvstore.index_redis`` answers from a local ``MemoryIndex`` while Redis is unreachable.
+
+Semantics shared by every backend (the contract tests in ``tests/kvstore/test_index.py``):
+
+- A worker holds a block at one tier at a time; a ``STORED`` event sets (or moves) it, a
+  ``REMOVED`` event drops it. Events from a worker that is not alive are ignored: its blocks
+  would never be offered, and ignoring them keeps a dead worker from leaking index entries.
+- A worker is alive from ``register`` until ``remove`` or until ``ttl_s`` passes without a
+  ``heartbeat``. An expired worker vanishes from ``workers()`` and ``match()`` at once; its
+  entries are purged by ``reap_expired()`` or when the same worker id registers again (a new
+  incarnation republishes what it still holds).
+- ``match(keys)`` reports, per alive worker, the contiguous held prefix of ``keys`` and the
+  usable prefix under the hybrid hit rule (DESIGN.md section 3): the deepest ``i`` such that
+  the worker holds ``keys[0:i]`` and ``keys[i-1]`` carries a KDA snapshot on that worker.
+
+    keys:        k0    k1    k2    k3    k4
+    held by w:   DRAM  DEV   DRAM  SSD   -      -> num_blocks_present = 4
+    snapshot:    no    yes   no    no           -> num_blocks_usable  = 2 (prefix k0..k1)
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+from kvstore.blocks import KEY_BYTES, BlockKey, Tier
+
+
+class IndexUnavailable(RuntimeError):
+    """The index backend (Redis) cannot be reached within the retry budget."""
+
+    def __init__(self, url: str, cause: BaseException) -> None:
+        super().__init__(f"global index at {url} is unavailable: {type(cause).__name__}: {cause}")
+        self.url = url
+        self.cause = cause
+
+
+class BlockEventKind(enum.StrEnum):
+    STORED = "stored"
+    REMOVED = "removed"
+
+
+class WorkerRole(enum.StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+def check_key(key: BlockKey) -> None:
+    """Raise ``ValueError`` unless ``key`` is a ``KEY_BYTES``-long ``bytes``."""
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise ValueError(f"block key must be {KEY_BYTES} bytes, got {key!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockEvent:
+    """One change of one worker's holding of one block; ``tier`` is None exactly when removed."""
+
+    worker_id: str
+    key: BlockKey
+    tier: Tier | None
+    has_snapshot: bool
+    kind: BlockEventKind
+
+    def __post_init__(self) -> None:
+        check_key(self.key)
+        if not self.worker_id:
+            raise ValueError("worker_id must be non-empty")
+        if (self.kind is BlockEventKind.STORED) != (self.tier is not None):
+            raise ValueError(f"a {self.kind} event needs tier {'set' if self.tier is None else 'None'}")
+        if self.kind is BlockEventKind.REMOVED and self.has_snapshot:
+            raise ValueError("a removed event carries no snapshot")
+
+    @classmethod
+    def stored(cls, worker_id: str, key: BlockKey, tier: Tier, has_snapshot: bool = False) -> BlockEvent:
+        return cls(worker_id, key, Tier(tier), has_snapshot, BlockEventKind.STORED)
+
+    @classmethod
+    def removed(cls, worker_id: str, key: BlockKey) -> BlockEvent:
+        return cls(worker_id, key, None, False, BlockEventKind.REMOVED)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """Static facts about a worker, given at registration."""
+
+    worker_id: str
+    role: WorkerRole
+    address: str
+    num_pages_total: int
+    dram_capacity_bytes: int
+    ssd_capacity_bytes: int
+
+    def __post_init__(self) -> None:
+        if not self.worker_id or ":" in self.worker_id:
+            raise ValueError(f"worker_id must be non-empty and contain no ':', got {self.worker_id!r}")
+        for name in ("num_pages_total", "dram_capacity_bytes", "ssd_capacity_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """A worker's load as of ``timestamp_s`` (the worker's wall clock, seconds since the epoch)."""
+
+    queue_len: int = 0
+    num_running_requests: int = 0
+    num_free_pages: int = 0
+    free_dram_bytes: int = 0
+    num_tokens_in_flight: int = 0
+    timestamp_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            if getattr(self, field.name) < 0:
+                raise ValueError(f"{field.name} must be >= 0, got {getattr(self, field.name)}")
+
+    @classmethod
+    def initial(cls, info: WorkerInfo) -> WorkerLoad:
+        """Load assumed between registration and the first heartbeat: idle, everything free."""
+        return cls(num_free_pages=info.num_pages_total, free_dram_bytes=info.dram_capacity_bytes)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerMatch:
+    """How much of a key sequence one worker holds; ``tiers[i]`` is the tier of ``keys[i]``."""
+
+    worker_id: str
+    num_blocks_present: int
+    num_blocks_usable: int
+    tiers: tuple[Tier, ...]
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.num_blocks_usable <= self.num_blocks_present == len(self.tiers), self
+
+    @property
+    def slowest_usable_tier(self) -> Tier | None:
+        """The slowest tier within the usable prefix, or None when nothing is usable."""
+        return max(self.tiers[: self.num_blocks_usable], default=None)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MatchSnapshot:
+    """Per alive worker (sorted by id, zero matches included), the match of ``num_keys`` keys."""
+
+    num_keys: int
+    matches: tuple[WorkerMatch, ...]
+
+    def get(self, worker_id: str) -> WorkerMatch | None:
+        """The match of ``worker_id``, or None when that worker is not alive."""
+        return next((m for m in self.matches if m.worker_id == worker_id), None)
+
+    @property
+    def best_usable(self) -> WorkerMatch | None:
+        """The worker with the longest usable prefix (ties: lowest id), or None if none is usable."""
+        best = max(self.matches, key=lambda m: m.num_blocks_usable, default=None)
+        return best if best is not None and best.num_blocks_usable > 0 else None
+
+
+class GlobalIndex(abc.ABC):
+    """Block holdings and worker registry. Every method is thread-safe.
+
+    Backends that talk to a server raise ``IndexUnavailable`` from any method when it cannot
+    be reached; they never block longer than their configured retry budget.
+    """
+
+    @abc.abstractmethod
+    def apply(self, events: Sequence[BlockEvent]) -> int:
+        """Apply events in order; return how many were applied (events of dead workers are not)."""
+
+    @abc.abstractmethod
+    def match(self, keys: Sequence[BlockKey]) -> MatchSnapshot:
+        """Prefix match of ``keys`` against every alive worker. No side effects."""
+
+    @abc.abstractmethod
+    def register(self, worker: WorkerInfo) -> bool:
+        """Register or refresh a worker (counts as a heartbeat).
+
+        Returns True for a new incarnation (the id was not alive): its stale blocks are dropped
+        and its load starts at ``WorkerLoad.initial``. An alive worker keeps blocks and load.
+        """
+
+    @abc.abstractmethod
+    def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
+        """Record ``load`` and extend the worker's lease by ``ttl_s``.
+
+        Returns False when the worker is not alive (expired or unknown): it must register again.
+        """
+
+    @abc.abstractmethod
+    def workers(self) -> list[tuple[WorkerInfo, WorkerLoad]]:
+        """Alive workers with their latest load, sorted by worker id. No side effects."""
+
+    @abc.abstractmethod
+    def remove(self, worker_id: str) -> bool:
+        """Forget a worker and all its blocks; return whether it was known."""
+
+    @abc.abstractmethod
+    def reap_expired(self) -> tuple[str, ...]:
+        """Purge workers whose lease ran out, with their blocks; return their ids."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op for in-process backends
+        """Release connections; the index must not be used afterwards."""

@@ -1,0 +1,429 @@
+"""Shared global index in Redis, and the fallback that keeps serving while Redis is down.
+
+``RedisIndex`` owns the index's keys under one namespace ``ns`` in a single Redis server
+(not Redis Cluster: scripts touch keys they compute). Several Conductors on the same
+namespace share one view, and a restarted Conductor finds it intact. Schema:
+
+    ns:blk:<key hex>     hash   worker_id -> "<tier>:<snapshot 0|1>"   (who holds the block)
+    ns:wblocks:<worker>  set    key hex of every block the worker holds (purge in O(own blocks))
+    ns:worker:<worker>   hash   info=<WorkerInfo json>, load=<WorkerLoad json>; PEXPIRE ttl_s
+    ns:workers           set    every registered id, alive or expired-but-not-reaped
+
+A worker is alive while ``ns:worker:<id>`` exists; Redis expires it when heartbeats stop,
+which hides its blocks from ``match`` at once. ``reap_expired`` (and a re-registration of
+the id) later deletes the dead worker's entries. Every operation is one Lua script, loaded
+once per server (``SCRIPT LOAD`` on first use, again after a server restart) and run with
+``EVALSHA``: a match over any number of keys is one round trip and sees one consistent state.
+
+Failures: ``redis.exceptions.ConnectionError``/``TimeoutError`` are retried with capped
+exponential backoff inside a short total budget, then raised as ``IndexUnavailable``.
+``FallbackIndex`` turns that into answers from a local ``MemoryIndex``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from kvstore.blocks import BlockKey, Tier
+from kvstore.index import (
+    BlockEvent,
+    GlobalIndex,
+    IndexUnavailable,
+    MatchSnapshot,
+    WorkerInfo,
+    WorkerLoad,
+    WorkerMatch,
+    WorkerRole,
+    check_key,
+)
+from kvstore.index_memory import MemoryIndex
+from kvstore.registry import Clock
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+assert max(Tier) < 10, "the scripts encode a tier as one decimal digit"
+
+# Shared Lua prelude. purge(w): drop every block entry of worker w (ARGV[1] is the namespace).
+_PRELUDE = """
+local ns = ARGV[1]
+local function purge(w)
+  local ws = ns .. ':wblocks:' .. w
+  for _, k in ipairs(redis.call('SMEMBERS', ws)) do redis.call('HDEL', ns .. ':blk:' .. k, w) end
+  redis.call('DEL', ws)
+end
+local function alive(w) return redis.call('EXISTS', ns .. ':worker:' .. w) == 1 end
+"""
+
+# ARGV: ns, then (worker, key hex, "<tier>:<snap>" or "-" for removed) per event.
+_APPLY = """
+local is_alive, num_applied = {}, 0
+for i = 2, #ARGV, 3 do
+  local w, k, v = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  if is_alive[w] == nil then is_alive[w] = alive(w) end
+  if is_alive[w] then
+    if v == '-' then
+      redis.call('HDEL', ns .. ':blk:' .. k, w)
+      redis.call('SREM', ns .. ':wblocks:' .. w, k)
+    else
+      redis.call('HSET', ns .. ':blk:' .. k, w, v)
+      redis.call('SADD', ns .. ':wblocks:' .. w, k)
+    end
+    num_applied = num_applied + 1
+  end
+end
+return num_applied
+"""
+
+# ARGV: ns, key hex... Returns (worker, num usable, tier digits of the held prefix) per alive worker.
+_MATCH = """
+local order, open, usable, tiers = {}, {}, {}, {}
+for _, w in ipairs(redis.call('SMEMBERS', ns .. ':workers')) do
+  if alive(w) then order[#order + 1] = w; open[w] = true; usable[w] = 0; tiers[w] = {} end
+end
+local num_open = #order
+for i = 2, #ARGV do
+  if num_open == 0 then break end
+  local flat, held = redis.call('HGETALL', ns .. ':blk:' .. ARGV[i]), {}
+  for j = 1, #flat, 2 do held[flat[j]] = flat[j + 1] end
+  for _, w in ipairs(order) do
+    if open[w] then
+      local v = held[w]
+      if v == nil then
+        open[w] = false; num_open = num_open - 1
+      else
+        local t = tiers[w]; t[#t + 1] = string.sub(v, 1, 1)
+        if string.sub(v, 3, 3) == '1' then usable[w] = #t end
+      end
+    end
+  end
+end
+local out = {}
+for _, w in ipairs(order) do
+  out[#out + 1] = w; out[#out + 1] = usable[w]; out[#out + 1] = table.concat(tiers[w])
+end
+return out
+"""
+
+# ARGV: ns, worker, info json, initial load json, ttl ms. Returns 1 for a new incarnation.
+_REGISTER = """
+local w = ARGV[2]
+local wk = ns .. ':worker:' .. w
+local is_new = not alive(w)
+if is_new then purge(w); redis.call('HSET', wk, 'load', ARGV[4]) end
+redis.call('HSET', wk, 'info', ARGV[3])
+redis.call('PEXPIRE', wk, ARGV[5])
+redis.call('SADD', ns .. ':workers', w)
+return is_new and 1 or 0
+"""
+
+# ARGV: ns, worker, load json, ttl ms. Returns 0 when the worker is not alive.
+_HEARTBEAT = """
+local wk = ns .. ':worker:' .. ARGV[2]
+if redis.call('EXISTS', wk) == 0 then return 0 end
+redis.call('HSET', wk, 'load', ARGV[3])
+redis.call('PEXPIRE', wk, ARGV[4])
+return 1
+"""
+
+# ARGV: ns, worker. Returns 1 when the worker was known.
+_REMOVE = """
+local w = ARGV[2]
+purge(w)
+redis.call('DEL', ns .. ':worker:' .. w)
+return redis.call('SREM', ns .. ':workers', w)
+"""
+
+# ARGV: ns. Returns the ids of purged (expired) workers.
+_REAP = """
+local reaped = {}
+for _, w in ipairs(redis.call('SMEMBERS', ns .. ':workers')) do
+  if not alive(w) then purge(w); redis.call('SREM', ns .. ':workers', w); reaped[#reaped + 1] = w end
+end
+return reaped
+"""
+
+# ARGV: ns. Returns (info json, load json) per alive worker.
+_WORKERS = """
+local out = {}
+for _, w in ipairs(redis.call('SMEMBERS', ns .. ':workers')) do
+  local v = redis.call('HMGET', ns .. ':worker:' .. w, 'info', 'load')
+  if v[1] then out[#out + 1] = v[1]; out[#out + 1] = v[2] end
+end
+return out
+"""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RedisIndexConfig:
+    """Lease and failure handling. Worst case per call is about ``retry_budget_s`` + one timeout."""
+
+    ttl_s: float = 10.0
+    connect_timeout_s: float = 0.25
+    socket_timeout_s: float = 1.0
+    num_retries: int = 3
+    backoff_base_s: float = 0.02
+    backoff_cap_s: float = 0.2
+    retry_budget_s: float = 0.5
+    num_events_per_script: int = 4096
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            if getattr(self, field.name) < 0:
+                raise ValueError(f"{field.name} must be >= 0, got {getattr(self, field.name)}")
+        if self.ttl_s <= 0 or self.num_events_per_script <= 0:
+            raise ValueError(f"ttl_s and num_events_per_script must be positive: {self}")
+
+    @property
+    def ttl_ms(self) -> int:
+        return max(1, round(self.ttl_s * 1000))
+
+    def backoff_s(self, attempt: int) -> float:
+        """Delay before retry number ``attempt`` (0-based): base * 2**attempt, capped."""
+        return min(self.backoff_cap_s, self.backoff_base_s * 2**attempt)
+
+
+class RedisIndex(GlobalIndex):
+    """``GlobalIndex`` in Redis. Thread-safe: redis-py's pool gives each call its own connection."""
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str = "tidekv",
+        config: RedisIndexConfig | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        """Connects lazily: constructing never fails for an unreachable server. ``sleep`` backs off."""
+        if not namespace or any(c.isspace() for c in namespace):
+            raise ValueError(f"namespace must be non-empty without whitespace, got {namespace!r}")
+        self.url = url
+        self.namespace = namespace
+        self.config = config or RedisIndexConfig()
+        self._sleep = sleep
+        # Retries are ours (_call) so the whole budget is bounded; redis-py must not add its own.
+        self._client = redis.Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_connect_timeout=self.config.connect_timeout_s,
+            socket_timeout=self.config.socket_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+        script = self._client.register_script
+        self._apply, self._match = script(_PRELUDE + _APPLY), script(_PRELUDE + _MATCH)
+        self._register, self._heartbeat = script(_PRELUDE + _REGISTER), script(_PRELUDE + _HEARTBEAT)
+        self._remove, self._reap = script(_PRELUDE + _REMOVE), script(_PRELUDE + _REAP)
+        self._workers = script(_PRELUDE + _WORKERS)
+
+    def apply(self, events: Sequence[BlockEvent]) -> int:
+        num_applied = 0
+        step = self.config.num_events_per_script
+        for start in range(0, len(events), step):
+            args: list[str] = [self.namespace]
+            for event in events[start : start + step]:
+                value = "-" if event.tier is None else f"{int(event.tier)}:{int(event.has_snapshot)}"
+                args += (event.worker_id, event.key.hex(), value)
+            num_applied += self._call(lambda a=args: self._apply(args=a))
+        return num_applied
+
+    def match(self, keys: Sequence[BlockKey]) -> MatchSnapshot:
+        for key in keys:
+            check_key(key)
+        flat = self._call(lambda: self._match(args=[self.namespace, *(k.hex() for k in keys)]))
+        matches = []
+        for i in range(0, len(flat), 3):
+            worker_id, num_usable, digits = flat[i], int(flat[i + 1]), flat[i + 2]
+            tiers = tuple(Tier(int(d)) for d in digits)
+            matches.append(WorkerMatch(worker_id, len(tiers), num_usable, tiers))
+        return MatchSnapshot(len(keys), tuple(sorted(matches, key=lambda m: m.worker_id)))
+
+    def register(self, worker: WorkerInfo) -> bool:
+        args = [self.namespace, worker.worker_id, _to_json(worker), _to_json(WorkerLoad.initial(worker))]
+        return bool(self._call(lambda: self._register(args=[*args, self.config.ttl_ms])))
+
+    def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
+        args = [self.namespace, worker_id, _to_json(load), self.config.ttl_ms]
+        return bool(self._call(lambda: self._heartbeat(args=args)))
+
+    def workers(self) -> list[tuple[WorkerInfo, WorkerLoad]]:
+        flat = self._call(lambda: self._workers(args=[self.namespace]))
+        pairs = [
+            (_info_from_json(flat[i]), WorkerLoad(**json.loads(flat[i + 1]))) for i in range(0, len(flat), 2)
+        ]
+        return sorted(pairs, key=lambda pair: pair[0].worker_id)
+
+    def remove(self, worker_id: str) -> bool:
+        return bool(self._call(lambda: self._remove(args=[self.namespace, worker_id])))
+
+    def reap_expired(self) -> tuple[str, ...]:
+        return tuple(sorted(self._call(lambda: self._reap(args=[self.namespace]))))
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _call(self, op: Callable[[], T]) -> T:
+        """Run ``op``; retry connection failures with capped backoff; raise ``IndexUnavailable``."""
+        deadline_s = time.monotonic() + self.config.retry_budget_s
+        attempt = 0
+        while True:
+            try:
+                return op()
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                delay_s = self.config.backoff_s(attempt)
+                if attempt >= self.config.num_retries or time.monotonic() + delay_s > deadline_s:
+                    raise IndexUnavailable(self.url, exc) from exc
+                logger.debug("redis %s unreachable (attempt %d): %s", self.url, attempt, exc)
+            self._sleep(delay_s)
+            attempt += 1
+
+
+def _to_json(value: WorkerInfo | WorkerLoad) -> str:
+    return json.dumps(dataclasses.asdict(value), sort_keys=True)
+
+
+def _info_from_json(text: str) -> WorkerInfo:
+    fields = json.loads(text)
+    return WorkerInfo(**{**fields, "role": WorkerRole(fields["role"])})
+
+
+class FallbackIndex(GlobalIndex):
+    """Redis when reachable, else the local ``MemoryIndex`` that mirrors every write.
+
+    Every event, registration and heartbeat goes to ``local`` first, so local always knows
+    what this Conductor has been told. When Redis fails, one warning is logged per outage and
+    reads answer from local. After ``retry_interval_s`` (on ``clock``) a call tries to
+    resync: it re-registers local's alive workers with their latest load and re-publishes
+    their blocks, then switches back to Redis. The resync is additive: a removal seen only
+    during the outage stays in Redis until that worker's next event for the block, its
+    removal or its expiry (a stale holder makes a transfer fail loudly, never serve bad data).
+
+    Locking: ``_lock`` orders local writes against the resync, so no write is lost between
+    the resync's copy of local and the switch back. Writers wait for a running resync; reads
+    never wait for it (they answer from local meanwhile).
+    """
+
+    def __init__(
+        self,
+        primary: RedisIndex,
+        local: MemoryIndex,
+        retry_interval_s: float = 1.0,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.primary = primary
+        self.local = local
+        self.retry_interval_s = retry_interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._is_up = True
+        self._next_retry_s = 0.0
+
+    @property
+    def using_primary(self) -> bool:
+        return self._is_up
+
+    def apply(self, events: Sequence[BlockEvent]) -> int:
+        with self._lock:
+            num_applied = self.local.apply(events)
+            use_primary = self._ready_locked()
+        if use_primary:
+            self._on_primary(lambda p: p.apply(events))
+        return num_applied
+
+    def register(self, worker: WorkerInfo) -> bool:
+        with self._lock:
+            is_new = self.local.register(worker)
+            use_primary = self._ready_locked()
+        if use_primary:
+            self._on_primary(lambda p: p.register(worker))
+        return is_new
+
+    def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
+        with self._lock:
+            is_alive = self.local.heartbeat(worker_id, load)
+            use_primary = self._ready_locked()
+        if use_primary:
+            result = self._on_primary(lambda p: p.heartbeat(worker_id, load))
+            return is_alive if result is None else result
+        return is_alive
+
+    def remove(self, worker_id: str) -> bool:
+        with self._lock:
+            was_known = self.local.remove(worker_id)
+            use_primary = self._ready_locked()
+        if use_primary:
+            self._on_primary(lambda p: p.remove(worker_id))
+        return was_known
+
+    def match(self, keys: Sequence[BlockKey]) -> MatchSnapshot:
+        result = self._read(lambda p: p.match(keys))
+        return self.local.match(keys) if result is None else result
+
+    def workers(self) -> list[tuple[WorkerInfo, WorkerLoad]]:
+        result = self._read(lambda p: p.workers())
+        return self.local.workers() if result is None else result
+
+    def reap_expired(self) -> tuple[str, ...]:
+        reaped = set(self.local.reap_expired())
+        reaped.update(self._read(lambda p: p.reap_expired()) or ())
+        return tuple(sorted(reaped))
+
+    def close(self) -> None:
+        self.primary.close()
+        self.local.close()
+
+    def _read(self, op: Callable[[RedisIndex], T]) -> T | None:
+        """``op`` on Redis when usable (trying a due resync unless one runs), else None."""
+        if not self._is_up and self._lock.acquire(blocking=False):
+            try:
+                self._ready_locked()
+            finally:
+                self._lock.release()
+        return self._on_primary(op) if self._is_up else None
+
+    def _on_primary(self, op: Callable[[RedisIndex], T]) -> T | None:
+        try:
+            return op(self.primary)
+        except IndexUnavailable as exc:
+            with self._lock:
+                self._mark_down_locked(exc)
+            return None
+
+    def _ready_locked(self) -> bool:
+        """Whether to use Redis now; when down and a retry is due, resync first."""
+        if self._is_up:
+            return True
+        if self._clock() < self._next_retry_s:
+            return False
+        try:
+            self._resync_locked()
+        except IndexUnavailable as exc:
+            self._next_retry_s = self._clock() + self.retry_interval_s
+            logger.debug("global index still unavailable: %s", exc)
+            return False
+        self._is_up = True
+        logger.info("global index at %s is reachable again; resynced from local state", self.primary.url)
+        return True
+
+    def _resync_locked(self) -> None:
+        for info, load in self.local.workers():
+            self.primary.register(info)
+            self.primary.heartbeat(info.worker_id, load)
+        self.primary.apply(self.local.stored_events())
+
+    def _mark_down_locked(self, exc: IndexUnavailable) -> None:
+        if self._is_up:
+            logger.warning(
+                "%s; answering from local index, retrying every %.1f s", exc, self.retry_interval_s
+            )
+        self._is_up = False
+        self._next_retry_s = self._clock() + self.retry_interval_s

@@ -1,0 +1,114 @@
+"""Fixtures for kvstore tests: real ``redis-server`` processes on 127.0.0.1.
+
+``redis_server`` is one server shared by the session (tests isolate themselves with unique
+namespaces); ``redis_server_factory`` starts private servers that a test may kill and
+restart. Every server runs without persistence in a temp dir and is always killed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+REDIS_BINARY = "redis-server"
+START_TIMEOUT_S = 10.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RedisServer:
+    """One ``redis-server`` process; ``start``/``kill`` may be repeated on the same port."""
+
+    def __init__(self, binary: str, data_dir: Path, port: int) -> None:
+        self.binary = binary
+        self.data_dir = data_dir
+        self.port = port
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        assert self._proc is None, "already running"
+        log_path = self.data_dir / "redis.log"
+        argv = [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", ""]
+        argv += ["--appendonly", "no", "--dir", str(self.data_dir), "--logfile", str(log_path)]
+        self._proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2)
+        deadline_s = time.monotonic() + START_TIMEOUT_S
+        try:
+            while True:
+                if self._proc.poll() is not None:
+                    log = log_path.read_text() if log_path.exists() else ""
+                    self._proc = None
+                    raise RuntimeError(f"redis-server exited at start on port {self.port}:\n{log}")
+                try:
+                    if client.ping():
+                        return
+                except redis.exceptions.ConnectionError:
+                    if time.monotonic() > deadline_s:
+                        self.kill()
+                        raise
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def kill(self) -> None:
+        """SIGKILL the server (an abrupt outage) and reap it."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait(timeout=10)
+            self._proc = None
+
+
+def _binary() -> str:
+    path = shutil.which(REDIS_BINARY)
+    if path is None:
+        pytest.skip(f"{REDIS_BINARY} not on PATH (Debian package redis-server; CI installs it)")
+    return path
+
+
+@pytest.fixture
+def redis_server_factory(tmp_path: Path) -> Iterator[Callable[[], RedisServer]]:
+    """Start private servers (each on a free port); all are killed at teardown."""
+    binary = _binary()
+    servers: list[RedisServer] = []
+
+    def start() -> RedisServer:
+        data_dir = tmp_path / f"redis{len(servers)}"
+        data_dir.mkdir()
+        server = RedisServer(binary, data_dir, _free_port())
+        servers.append(server)
+        server.start()
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.kill()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One server for the session; tests must use their own namespaces."""
+    server = RedisServer(_binary(), tmp_path_factory.mktemp("redis"), _free_port())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url
