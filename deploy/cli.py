@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 
@@ -12,6 +13,8 @@ DEMO_PROMPT = "Tidekv keeps every finished block of KV cache so the next request
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.endpoint:
+        return _generate_remote(args)
     import torch
 
     import engine
@@ -39,33 +42,109 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_remote(args: argparse.Namespace) -> int:
+    import grpc
+
+    from conductor.client import Client
+
+    client = Client(args.endpoint)
+    req = Client.request(args.prompt, args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed,
+                         tenant=args.tenant)
+    try:
+        out = client.generate(req)
+    except grpc.RpcError as e:
+        print(f"tidekv: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    print(out.text)
+    print(f"\n{out.finish_reason}: {len(out.token_ids)} tokens, prompt {out.prompt_tokens} "
+          f"(cached {out.cached_tokens}), TTFT {out.ttft_s * 1e3:.0f} ms, {out.decode_tokens_per_s:.1f} tok/s "
+          f"[{out.prefill_worker} -> {out.decode_worker}]", file=sys.stderr)
+    return 0 if out.finish_reason in ("stop", "length") else 1
+
+
+def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
+    setup_torch()
+    if args.role == "conductor":
+        from conductor.server import serve
+    elif args.role == "prefill":
+        from prefill_worker.server import serve
+    else:
+        from decode_worker.server import serve
+    serve(rest)
+    return 0
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from deploy.grpc_server import serve_forever_note
+    from deploy.local import ClusterConfig, LocalCluster
+
+    cluster = LocalCluster(ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, model=args.model,
+                                         policy=args.policy, index=args.index, port=args.port,
+                                         data_dir=args.data_dir))
+    print(f"starting conductor + {args.prefill} prefill + {args.decode} decode (logs in {cluster.data_dir}/logs)",
+          file=sys.stderr)
+    with cluster:
+        print(f"tidekv cluster ready: endpoint {cluster.endpoint}", flush=True)
+        if args.demo:
+            from deploy.demo import run_demo
+
+            return run_demo(cluster.endpoint)
+        serve_forever_note()
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
-    args.prompt = DEMO_PROMPT * 4
-    return _cmd_generate(args)
+    from deploy.demo import run_demo
+    from deploy.local import ClusterConfig, LocalCluster
+
+    print("starting a local cluster: conductor + 2 prefill + 1 decode workers on 127.0.0.1 ...", file=sys.stderr)
+    with LocalCluster(ClusterConfig(num_prefill=2, num_decode=1, model=args.model)) as cluster:
+        print(f"cluster ready at {cluster.endpoint}", file=sys.stderr)
+        return run_demo(cluster.endpoint)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidekv", description="Disaggregated KV-cache serving for Kimi-Linear hybrids")
     sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text with the single-process engine")
+    g = sub.add_parser("generate", help="generate text: through a cluster (--endpoint) or in this process")
     g.add_argument("--prompt", required=True)
-    demo = sub.add_parser("demo", help="the README's main job: generate from a fixed prompt")
-    for s in (g, demo):
-        s.add_argument("--model", default="tiny", help="'tiny' or a checkpoint directory")
-        s.add_argument("--max-tokens", type=int, default=64)
-        s.add_argument("--temperature", type=float, default=0.0)
-        s.add_argument("--top-p", type=float, default=1.0)
-        s.add_argument("--top-k", type=int, default=0)
-        s.add_argument("--seed", type=int, default=0)
-        s.add_argument("--device", default="cpu")
-        s.add_argument("--threads", type=int, default=2)
+    g.add_argument("--endpoint", default="", help="host:port of a Conductor; empty = single-process engine")
+    g.add_argument("--tenant", default="")
+    g.add_argument("--model", default="tiny", help="'tiny' or a checkpoint directory")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--threads", type=int, default=2)
     g.set_defaults(func=_cmd_generate)
+    demo = sub.add_parser("demo", help="the README's main job: start a local cluster, run a demo, stop it")
+    demo.add_argument("--model", default="tiny")
     demo.set_defaults(func=_cmd_demo)
+    up = sub.add_parser("up", help="run a local cluster (Conductor + workers) until Ctrl-C")
+    up.add_argument("--prefill", type=int, default=1)
+    up.add_argument("--decode", type=int, default=1)
+    up.add_argument("--model", default="tiny")
+    up.add_argument("--policy", default="cache_aware")
+    up.add_argument("--index", default="memory", help="memory or redis://127.0.0.1:6379")
+    up.add_argument("--port", type=int, default=50051)
+    up.add_argument("--data-dir", default="")
+    up.add_argument("--demo", action="store_true", help="run the demo requests, then stop")
+    up.set_defaults(func=_cmd_up)
+    serve = sub.add_parser("serve", help="run one process of a cluster", add_help=False)
+    serve.add_argument("--role", required=True, choices=["conductor", "prefill", "decode"])
+    serve.set_defaults(func=_cmd_serve)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args, rest = build_parser().parse_known_args(argv)
+    if args.command == "serve":
+        return _cmd_serve(args, rest)
+    if rest:
+        build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.func(args)
     except ValueError as e:  # bad input: one clear line, no traceback

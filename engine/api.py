@@ -40,17 +40,31 @@ def load_model(path_or_name: str, device: str = "cpu", dtype: torch.dtype = torc
         fingerprint = _fingerprint(cfg, tensors, extra=f"tiny-seed-{TINY_SEED}")
         tokenizer = ByteTokenizer(cfg.vocab_size)
     else:
-        directory = Path(path_or_name)
-        if not (directory / "config.json").is_file():
-            raise CheckpointError(f"{path_or_name!r} is neither 'tiny' nor a directory with config.json")
-        cfg = ModelConfig.from_file(directory / "config.json")
-        tensors = load_tensors(directory, cfg)
+        cfg = load_config(path_or_name)
+        tensors = load_tensors(Path(path_or_name), cfg)
         fingerprint = _fingerprint(cfg, tensors)
-        tok_path = directory / "tokenizer.json"
-        tokenizer = HFTokenizer(tok_path, cfg.eos_token_id) if tok_path.exists() else ByteTokenizer(cfg.vocab_size)
+        tokenizer = load_tokenizer(path_or_name)
     model = HybridModel(cfg, tensors, fingerprint, device=device, dtype=dtype)
     model.tokenizer = tokenizer
     return model
+
+
+def load_config(path_or_name: str) -> ModelConfig:
+    """The config alone (no weights): what a Conductor needs to validate and tokenize."""
+    if path_or_name == "tiny":
+        return tiny_config()
+    path = Path(path_or_name) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path_or_name!r} is neither 'tiny' nor a directory with config.json")
+    return ModelConfig.from_file(path)
+
+
+def load_tokenizer(path_or_name: str) -> ByteTokenizer | HFTokenizer:
+    cfg = load_config(path_or_name)
+    tok_path = Path(path_or_name) / "tokenizer.json"
+    if path_or_name != "tiny" and tok_path.exists():
+        return HFTokenizer(tok_path, cfg.eos_token_id)
+    return ByteTokenizer(cfg.vocab_size)
 
 
 def _fingerprint(cfg: ModelConfig, tensors: dict[str, torch.Tensor], extra: str = "") -> str:

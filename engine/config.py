@@ -56,14 +56,17 @@ class ModelConfig:
         if sorted(given) != sorted(layers):
             raise ValueError(
                 f"linear_attn_config: full_attn_layers + kda_layers must cover layers 1..{self.num_hidden_layers} "
-                f"exactly once, got full={[i + 1 for i in self.mla_layer_ids]} kda={[i + 1 for i in self.kda_layer_ids]}"
+                f"exactly once, got full={[i + 1 for i in self.mla_layer_ids]} "
+                f"kda={[i + 1 for i in self.kda_layer_ids]}"
             )
         if self.num_experts_per_token > self.num_experts:
             raise ValueError(
                 f"num_experts_per_token={self.num_experts_per_token} exceeds num_experts={self.num_experts}"
             )
         if self.num_experts % self.num_expert_group:
-            raise ValueError(f"num_experts={self.num_experts} not divisible by num_expert_group={self.num_expert_group}")
+            raise ValueError(
+                f"num_experts={self.num_experts} not divisible by num_expert_group={self.num_expert_group}"
+            )
 
     # ---- derived values -------------------------------------------------------------------
     @property

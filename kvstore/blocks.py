@@ -28,7 +28,9 @@ class Tier(enum.IntEnum):
     SSD = 2
 
 
-def block_key(parent: BlockKey, token_ids: Sequence[int], model_fingerprint: str, cache_salt: str = "") -> BlockKey:
+def block_key(
+    parent: BlockKey, token_ids: Sequence[int], model_fingerprint: str, cache_salt: str = ""
+) -> BlockKey:
     """Key of one block given its parent's key (``ROOT_KEY`` for the first block)."""
     if len(parent) != KEY_BYTES:
         raise ValueError(f"parent key must be {KEY_BYTES} bytes, got {len(parent)}")

@@ -20,9 +20,8 @@ def _stale(src: Path) -> bool:
 
 def build(force: bool = False) -> list[Path]:
     """Runs protoc over stale .proto files; returns the sources it compiled. Raises on failure."""
-    from grpc_tools import protoc  # build-time only
-
     import grpc_tools
+    from grpc_tools import protoc  # build-time only
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     sources = sorted(p for p in PROTO_DIR.glob("*.proto") if force or _stale(p))

@@ -1,0 +1,65 @@
+"""Validation of a GenerateRequest: every bad field gets a ValueError naming it and its limit."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engine.config import ModelConfig
+from engine.sampler import SamplingParams
+from engine.tokenizer import Tokenizer
+from proto import inference_pb2 as pb
+from proto.convert import sampling_from_proto
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prompt_tokens: int
+    max_new_tokens: int = 4096
+    max_deadline_s: float = 3600.0
+    default_deadline_s: float = 300.0
+    max_request_id_len: int = 64
+    max_tenant_len: int = 128
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    deadline_s: float
+    tenant: str
+
+
+def validate(req: pb.GenerateRequest, cfg: ModelConfig, tokenizer: Tokenizer, limits: Limits) -> ValidRequest:
+    if len(req.request_id) > limits.max_request_id_len or "/" in req.request_id:
+        raise ValueError(f"request_id must be at most {limits.max_request_id_len} characters without '/'")
+    if len(req.tenant) > limits.max_tenant_len:
+        raise ValueError(f"tenant must be at most {limits.max_tenant_len} characters, got {len(req.tenant)}")
+    which = req.WhichOneof("prompt")
+    if which is None:
+        raise ValueError("prompt: give text or token_ids")
+    ids = tokenizer.encode(req.text) if which == "text" else list(req.token_ids.ids)
+    field = "text" if which == "text" else "token_ids"
+    if not ids:
+        raise ValueError(f"{field}: prompt is empty")
+    limit = min(limits.max_prompt_tokens, cfg.max_seq_len - 1)
+    if len(ids) > limit:
+        raise ValueError(f"{field}: prompt has {len(ids)} tokens, the limit is {limit}")
+    bad = next((t for t in ids if t >= cfg.vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token_ids: id {bad} outside the vocabulary [0, {cfg.vocab_size})")
+    s = req.sampling
+    max_new = min(limits.max_new_tokens, cfg.max_seq_len - len(ids))
+    if not 1 <= s.max_tokens <= max_new:
+        raise ValueError(f"sampling.max_tokens must be in [1, {max_new}], got {s.max_tokens}")
+    for name in ("temperature", "top_p"):
+        if not math.isfinite(getattr(s, name)):
+            raise ValueError(f"sampling.{name} must be finite, got {getattr(s, name)}")
+    params = sampling_from_proto(s)
+    try:
+        params.validate(cfg.vocab_size, max_new)
+    except ValueError as e:
+        raise ValueError(f"sampling.{e}") from e
+    if not 0 <= req.deadline_s <= limits.max_deadline_s or not math.isfinite(req.deadline_s):
+        raise ValueError(f"deadline_s must be in [0, {limits.max_deadline_s}], got {req.deadline_s}")
+    return ValidRequest(tuple(ids), params, req.deadline_s or limits.default_deadline_s, req.tenant)

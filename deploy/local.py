@@ -1,0 +1,128 @@
+"""Local process clusters: one Conductor plus prefill and decode workers on 127.0.0.1.
+
+``LocalCluster`` starts each role as its own ``tidekv serve`` process, waits until every
+worker has registered with the Conductor, and on ``stop`` sends SIGTERM (drain) and then
+SIGKILL to whatever is left. Logs go to ``<data_dir>/logs/<name>.log``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from deploy.grpc_server import channel
+from proto import internal_pb2 as ipb
+from proto import internal_pb2_grpc as igrpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    num_prefill: int = 1
+    num_decode: int = 1
+    model: str = "tiny"
+    policy: str = "cache_aware"
+    index: str = "memory"
+    port: int = 0
+    data_dir: str = ""
+    threads_per_process: int = 1
+    conductor_args: tuple[str, ...] = ()
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict, hash=False)
+
+
+class LocalCluster:
+    def __init__(self, config: ClusterConfig = ClusterConfig()):
+        self.config = config
+        self.data_dir = Path(config.data_dir or tempfile.mkdtemp(prefix="tidekv-up-"))
+        self.port = config.port or free_port()
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _spawn(self, name: str, role: str, args: list[str]) -> None:
+        logs = self.data_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "TIDEKV_TORCH_THREADS": str(self.config.threads_per_process), **self.config.env}
+        cmd = [sys.executable, "-m", "deploy.cli", "serve", "--role", role, *args]
+        with open(logs / f"{name}.log", "w") as log:
+            self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                cwd=Path(__file__).resolve().parent.parent)
+
+    def start(self, timeout_s: float = 120.0) -> LocalCluster:
+        c = self.config
+        self._spawn("conductor", "conductor", ["--port", str(self.port), "--model", c.model, "--policy", c.policy,
+                                              "--index", c.index, *c.conductor_args])
+        for i in range(c.num_prefill):
+            self._spawn(f"prefill-{i}", "prefill", [
+                "--conductor", self.endpoint, "--worker-id", f"prefill-{i}", "--model", c.model,
+                "--data-dir", str(self.data_dir / f"prefill-{i}"), *c.prefill_args])
+        for i in range(c.num_decode):
+            self._spawn(f"decode-{i}", "decode", ["--conductor", self.endpoint, "--worker-id", f"decode-{i}",
+                                                 "--model", c.model, *c.decode_args])
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def workers(self) -> ipb.WorkersResponse:
+        stub = igrpc.RegistryStub(channel(self.endpoint))
+        return stub.Workers(ipb.WorkersRequest(), timeout=5)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until every worker is registered and alive; RuntimeError naming a process that died."""
+        want = self.config.num_prefill + self.config.num_decode
+        until = time.monotonic() + timeout_s
+        while time.monotonic() < until:
+            for name, p in self.procs.items():
+                if p.poll() is not None:
+                    tail = (self.data_dir / "logs" / f"{name}.log").read_text()[-2000:]
+                    raise RuntimeError(f"{name} exited with {p.returncode} during start-up:\n{tail}")
+            try:
+                if len(self.workers().workers) >= want:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"cluster not ready within {timeout_s:.0f}s (logs in {self.data_dir / 'logs'})")
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM every process (workers first, so they drain), then SIGKILL what remains."""
+        order = sorted(self.procs, key=lambda n: n == "conductor")
+        for name in order:
+            if self.procs[name].poll() is None:
+                self.procs[name].send_signal(signal.SIGTERM)
+        until = time.monotonic() + grace_s
+        for name in order:
+            p = self.procs[name]
+            try:
+                p.wait(timeout=max(0.1, until - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs.clear()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

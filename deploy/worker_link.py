@@ -1,0 +1,78 @@
+"""A worker's link to the Conductor's registry: register, then heartbeat with load and block events.
+
+Runs one daemon thread per worker. Block events waiting in the worker (``drain_events``) go
+out with the next heartbeat; when the Conductor answers that it does not
+know the worker (it restarted, or the worker expired), the link registers again and
+republishes every block the worker still holds (``all_blocks``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from deploy.grpc_server import channel
+from proto import internal_pb2 as ipb
+from proto import internal_pb2_grpc as igrpc
+
+log = logging.getLogger(__name__)
+
+
+class WorkerLink:
+    def __init__(self, conductor_address: str, info: ipb.WorkerInfo, load: Callable[[], ipb.WorkerLoad],
+                 all_blocks: Callable[[], list[ipb.BlockEvent]] = list,
+                 drain_events: Callable[[], list[ipb.BlockEvent]] = list, interval_s: float = 0.5):
+        self.info = info
+        self._load = load
+        self._all_blocks = all_blocks
+        self._drain_events = drain_events
+        self._interval_s = interval_s
+        self._stub = igrpc.RegistryStub(channel(conductor_address))
+        self._pending: list[ipb.BlockEvent] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._registered = False
+        self._thread = threading.Thread(target=self._run, name="worker-link", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self._registered:
+                    self._register()
+                self._heartbeat()
+            except grpc.RpcError as e:
+                log.warning("conductor unreachable (%s); retrying", e.code())
+                self._registered = False
+            self._stop.wait(self._interval_s)
+
+    def _register(self) -> None:
+        resp = self._stub.Register(ipb.RegisterRequest(info=self.info), timeout=5)
+        if not resp.accepted:
+            log.error("conductor refused registration: %s", resp.reason)
+            return
+        self._registered = True
+        with self._lock:
+            self._pending = self._all_blocks() + self._pending
+
+    def _heartbeat(self) -> None:
+        with self._lock:
+            events, self._pending = self._pending + self._drain_events(), []
+        try:
+            resp = self._stub.Heartbeat(
+                ipb.HeartbeatRequest(worker_id=self.info.worker_id, load=self._load(), events=events), timeout=5)
+        except grpc.RpcError:
+            with self._lock:
+                self._pending = events + self._pending
+            raise
+        if not resp.known:
+            self._registered = False

@@ -1,0 +1,187 @@
+"""One prefill, start to end: reserve, reuse the prefix, prefill while streaming KV, store.
+
+Owns the worker's engine state (model, cache manager) and the order of a prefill:
+
+1. reserve pages + a KDA slot for the prompt (``Busy`` when they do not fit now);
+2. reuse: take the planned leading blocks from the own store, or pull them from the holder
+   worker through the transfer engine (and keep them: hot prefixes replicate); stop at the
+   deepest block that carries a KDA snapshot (the hybrid hit rule);
+3. push the reused rows, then run chunked prefill over the rest with a per-layer hook that
+   pushes each layer's new rows while the next layer computes; push every KDA layer's final
+   state; sample the first token; wait for the decode worker's verdict;
+4. store every new full block (with snapshots at the snapshot points) and return the events.
+The cache is always released, whatever happens.
+
+Prefills run one at a time (``_engine_lock``); waiting requests count as the queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine import HybridModel, SamplingParams, SequenceCache, sample
+from kvstore.hitrule import SnapshotPolicy
+from kvstore.payload import BlockPayload, PayloadError, decode
+from kvstore.store import StoreEvent, TieredStore
+from kvstore.transfer.base import TransferError
+from kvstore.transfer.frames import Kind
+from prefill_worker.blocks import load_blocks, payload_of_block
+from prefill_worker.transfers import TransferHub
+
+log = logging.getLogger(__name__)
+
+
+class Busy(Exception):
+    """The worker cannot hold the request's cache now; the Conductor may retry elsewhere."""
+
+
+class Cancelled(Exception):
+    """The caller went away."""
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    request_id: str
+    token_ids: tuple[int, ...]
+    params: SamplingParams
+    block_keys: tuple[bytes, ...]
+    reuse_blocks: int
+    holder_rpc_address: str  # "" = own store
+    decode_address: str
+    deadline_s: float
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    first_token: int
+    cached_tokens: int
+    prefill_s: float
+
+
+class PrefillRunner:
+    def __init__(self, model: HybridModel, store: TieredStore, hub: TransferHub, num_pages: int,
+                 block_size: int, snapshot_interval_blocks: int):
+        self.model = model
+        self.store = store
+        self.hub = hub
+        self.cache = model.new_cache(num_pages, num_slots=2, block_size=block_size)
+        self.snapshots = SnapshotPolicy(snapshot_interval_blocks)
+        self._engine_lock = threading.Lock()
+        self._waiting = 0
+        self._count_lock = threading.Lock()
+
+    @property
+    def queue_len(self) -> int:
+        return self._waiting
+
+    def run(self, job: PrefillJob, is_cancelled: Callable[[], bool]) -> PrefillOutcome:
+        bs = self.cache.block_size
+        if len(job.block_keys) != len(job.token_ids) // bs:
+            raise ValueError(f"{len(job.block_keys)} block keys for {len(job.token_ids)} tokens "
+                             f"(block_size {bs} makes {len(job.token_ids) // bs} full blocks)")
+        with self._count_lock:
+            self._waiting += 1
+        try:
+            with self._engine_lock:
+                with self._count_lock:
+                    self._waiting -= 1
+                return self._run_locked(job, is_cancelled)
+        finally:
+            pass
+
+    @torch.inference_mode()
+    def _run_locked(self, job: PrefillJob, is_cancelled: Callable[[], bool]) -> PrefillOutcome:
+        t0 = time.perf_counter()
+        seq = self.cache.try_reserve(job.request_id, len(job.token_ids))
+        if seq is None:
+            raise Busy(f"prefill cache full: {len(job.token_ids)} tokens need "
+                       f"{self.cache.pages_for(len(job.token_ids))} pages, {self.cache.pool.num_free} free")
+        sender = None
+        try:
+            cached = load_blocks(self.model, self.cache, seq, self._reuse_payloads(job))
+            sender = self.hub.sender(job.decode_address)
+            first = self._prefill_and_push(job, seq, cached, sender, is_cancelled)
+            sender.finish(job.request_id, self.model.cfg.num_hidden_layers, timeout_s=job.deadline_s)
+            self._store_new_blocks(job, seq, cached)
+            return PrefillOutcome(first, cached, time.perf_counter() - t0)
+        except BaseException as e:
+            if sender is not None:
+                sender.abort(job.request_id, f"prefill failed: {e}")
+            raise
+        finally:
+            self.cache.release(seq)
+
+    # ---- reuse --------------------------------------------------------------------------------
+    def _reuse_payloads(self, job: PrefillJob) -> list[BlockPayload]:
+        """The leading blocks to reuse, cut back to the deepest one with a KDA snapshot."""
+        keys = list(job.block_keys[: job.reuse_blocks])
+        if not keys:
+            return []
+        payloads: list[BlockPayload] = []
+        if job.holder_rpc_address:
+            payloads = self._pull(job, keys)
+        if not payloads:
+            for key in keys:
+                p = self.store.try_get(key)
+                if p is None:
+                    break
+                payloads.append(p)
+        while payloads and not payloads[-1].has_snapshot:
+            payloads.pop()
+        if len(payloads) < len(keys):
+            log.info("request %s: reusing %d of %d planned blocks", job.request_id, len(payloads), len(keys))
+        return payloads
+
+    def _pull(self, job: PrefillJob, keys: list[bytes]) -> list[BlockPayload]:
+        """Blocks from the holder worker; they are kept here too. [] when the pull fails."""
+        try:
+            blobs = self.hub.pull_blocks(f"{job.request_id}/pull", job.holder_rpc_address, keys, job.deadline_s)
+            payloads = [decode(b, expected_fingerprint=self.model.fingerprint) for b in blobs]
+        except (TransferError, PayloadError) as e:
+            log.warning("request %s: pulling %d blocks from %s failed (%s); recomputing",
+                        job.request_id, len(keys), job.holder_rpc_address, e)
+            return []
+        for key, payload in zip(keys, payloads, strict=True):
+            self.store.put(key, payload)
+        return payloads
+
+    # ---- compute and push ---------------------------------------------------------------------
+    def _prefill_and_push(self, job: PrefillJob, seq: SequenceCache, cached: int, sender,
+                          is_cancelled: Callable[[], bool]) -> int:
+        cfg, rid = self.model.cfg, job.request_id
+        mla_index = {layer: i for i, layer in enumerate(cfg.mla_layer_ids)}
+        if cached:
+            for layer, i in mla_index.items():
+                sender.send(rid, layer, Kind.MLA_ROWS, (0, cached), self.cache.rows(seq, i, 0, cached))
+
+        def on_layer(layer: int, start: int, end: int) -> None:
+            if is_cancelled():
+                raise Cancelled(f"request {rid} cancelled during prefill")
+            if layer in mla_index:
+                sender.send(rid, layer, Kind.MLA_ROWS, (start, end), self.cache.rows(seq, mla_index[layer], start, end))
+
+        bs = self.cache.block_size
+        points = [(i + 1) * bs for i in self.snapshots.snapshot_points(len(job.token_ids) // bs)]
+        logits = self.model.prefill(self.cache, seq, job.token_ids[cached:],
+                                    snapshot_at=[p for p in points if p > cached], on_layer=on_layer)
+        n = len(job.token_ids)
+        for i, layer in enumerate(cfg.kda_layer_ids):
+            sender.send(rid, layer, Kind.KDA_STATE, (0, n), self.cache.slots.state[i, seq.slot].clone())
+            sender.send(rid, layer, Kind.KDA_CONV, (0, n), self.cache.slots.conv[i, seq.slot].clone())
+        return sample(logits, [job.params], [n])[0]
+
+    def _store_new_blocks(self, job: PrefillJob, seq: SequenceCache, cached: int) -> None:
+        bs = self.cache.block_size
+        for i in range(cached // bs, len(job.block_keys)):
+            if not self.store.contains(job.block_keys[i]):
+                self.store.put(job.block_keys[i], payload_of_block(self.model, self.cache, seq, i))
+
+
+def event_to_tuple(e: StoreEvent) -> tuple[bytes, int, bool]:
+    return e.key, (-1 if e.kind == "removed" else int(e.tier)), e.has_snapshot

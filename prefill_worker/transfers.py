@@ -1,0 +1,85 @@
+"""The prefill worker's transfer endpoints: cached senders to decode workers, and pulls of
+cached blocks from other prefill workers.
+
+A pull asks the holder (gRPC ``PushBlocks``) to send encoded blocks as BLOB frames to this
+worker's receiver; each blob is checksummed by the transfer engine and verified again when
+decoded as a payload. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import grpc
+
+from deploy.grpc_server import channel
+from kvstore.transfer.base import Expected, TransferConfig, TransferError
+from kvstore.transfer.frames import Kind
+from kvstore.transfer.receiver import Receiver
+from kvstore.transfer.sender import Sender, connect
+from proto import internal_pb2 as ipb
+from proto import internal_pb2_grpc as igrpc
+
+
+class BlobSink:
+    """Collects BLOB frames (copies: the receiver reuses its buffers)."""
+
+    def __init__(self, num_blobs: int):
+        self.blobs: list[bytes | None] = [None] * num_blobs
+
+    def write(self, kind: Kind, layer: int, token_start: int, token_end: int, tensor: Any) -> None:
+        if kind != Kind.BLOB:
+            raise ValueError(f"expected blobs, got {kind!r}")
+        self.blobs[layer] = tensor.numpy().tobytes()
+
+
+class TransferHub:
+    def __init__(self, config: TransferConfig, backend: str = "tcp"):
+        self.config = config
+        self.receiver = Receiver(config, backends=backend)
+        self._senders: dict[str, Sender] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        return self.receiver.address
+
+    def sender(self, address: str) -> Sender:
+        """A connected sender to address (reused while healthy)."""
+        with self._lock:
+            s = self._senders.get(address)
+            if s is not None and not s.failed:
+                return s
+            s = connect(address, self.config)
+            self._senders[address] = s
+            return s
+
+    def pull_blocks(self, transfer_id: str, holder_rpc_address: str, keys: list[bytes],
+                    timeout_s: float) -> list[bytes]:
+        """Encoded payloads of keys from the holder, in order. TransferError on any failure."""
+        sink = BlobSink(len(keys))
+        self.receiver.expect(transfer_id, sink, Expected(num_blobs=len(keys)), timeout_s)
+        stub = igrpc.PrefillStub(channel(holder_rpc_address))
+        try:
+            stub.PushBlocks(ipb.PushBlocksRequest(transfer_id=transfer_id, block_keys=keys,
+                                                  dest_transfer_address=self.address), timeout=timeout_s)
+        except grpc.RpcError as e:
+            self.receiver.cancel(transfer_id)
+            raise TransferError(f"holder {holder_rpc_address} could not push blocks: {e.details()}") from e
+        self.receiver.wait_complete(transfer_id, timeout_s)
+        assert all(b is not None for b in sink.blobs)
+        return sink.blobs  # type: ignore[return-value]
+
+    def push_blobs(self, transfer_id: str, dest: str, blobs: list[bytes]) -> None:
+        sender = self.sender(dest)
+        for i, blob in enumerate(blobs):
+            sender.send(transfer_id, i, Kind.BLOB, (0, 0), blob)
+        sender.finish(transfer_id, len(blobs))
+
+    def close(self) -> None:
+        with self._lock:
+            for s in self._senders.values():
+                s.close()
+            self._senders.clear()
+        self.receiver.close()
