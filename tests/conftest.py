@@ -7,3 +7,6 @@ import torch
 os.environ.setdefault("TIDEKV_TORCH_THREADS", "1")
 torch.set_num_threads(int(os.environ["TIDEKV_TORCH_THREADS"]))
 torch.set_flush_denormal(True)
+
+# redis_server / redis_server_factory / redis_url fixtures for every test package.
+pytest_plugins = ["tests.redis_fixtures"]

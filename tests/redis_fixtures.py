@@ -1,4 +1,4 @@
-"""Fixtures for kvstore tests: real ``redis-server`` processes on 127.0.0.1.
+"""Fixtures: real ``redis-server`` processes on 127.0.0.1 (loaded by tests/conftest.py).
 
 ``redis_server`` is one server shared by the session (tests isolate themselves with unique
 namespaces); ``redis_server_factory`` starts private servers that a test may kill and

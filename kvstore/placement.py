@@ -1,0 +1,249 @@
+"""Block placement across one worker's tiers: the mechanism under ``TieredStore``.
+
+Owns the tier backends, one eviction policy instance per tier, which tier holds each key
+(each key lives in exactly one), and pin counts. Applies puts, gets with promotion, eviction
+with demotion (device -> DRAM -> SSD -> dropped) and drops, and reports every change through
+the event callback, in order. Victims come from the tier's policy (a pure choice); nothing
+is evicted unless the choice frees enough. Not thread-safe: ``TieredStore`` calls it under
+its lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Literal
+
+from kvstore.blocks import BlockKey, Tier
+from kvstore.device import DeviceTier
+from kvstore.dram import DramTier
+from kvstore.eviction import EvictionPolicy, EvictionView, make_policy
+from kvstore.payload import BlockPayload, decode, encode, encode_parts
+from kvstore.ssd import SsdTier
+
+logger = logging.getLogger(__name__)
+
+EventKind = Literal["stored", "moved", "removed"]
+Blob = BlockPayload | bytes | bytearray  # a block as a payload or as its encoded bytes
+Backend = DeviceTier | DramTier | SsdTier
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreEvent:
+    """A change to the store, for a worker to publish to the global index ("stored" and
+    "moved" map to ``index.BlockEvent.stored``, "removed" to ``BlockEvent.removed``).
+    ``tier``: where the block is now (for "removed": where it was). ``has_snapshot``:
+    whether it carries a KDA snapshot."""
+
+    kind: EventKind
+    key: BlockKey
+    tier: Tier
+    has_snapshot: bool
+
+
+class Placement:
+    """Tiers (fastest first), their policies, key locations and pins; see the module docstring.
+
+    ``promote_to``: a hit moves the block up to the fastest tier no faster than this one.
+    """
+
+    def __init__(
+        self,
+        tiers: dict[Tier, Backend],
+        policy_name: str,
+        promote_to: Tier,
+        on_event: Callable[[StoreEvent], None] | None,
+    ) -> None:
+        self.tiers = dict(sorted(tiers.items()))
+        self.policies: dict[Tier, EvictionPolicy] = {t: make_policy(policy_name) for t in self.tiers}
+        self.promote_to = promote_to
+        self.where: dict[BlockKey, Tier] = {}
+        self.pins: dict[BlockKey, int] = {}
+        self._emit_event = on_event
+
+    def republish_ssd(self) -> None:
+        """Adopt the valid blocks an SSD rescan finds (at startup), emitting "stored" for each."""
+        ssd = self.tiers.get(Tier.SSD)
+        if not isinstance(ssd, SsdTier):
+            return
+        for key in ssd.rescan():
+            self.where[key] = Tier.SSD
+            self.policies[Tier.SSD].on_insert(key)
+            self._emit("stored", key, Tier.SSD)
+
+    def has_snapshot(self, key: BlockKey) -> bool:
+        tier = self.where.get(key)
+        return tier is not None and self.tiers[tier].ledger.has_snapshot(key)
+
+    def pin(self, key: BlockKey) -> None:
+        self.pins[key] = self.pins.get(key, 0) + 1
+
+    def unpin(self, key: BlockKey) -> None:
+        if self.pins[key] == 1:
+            del self.pins[key]
+        else:
+            self.pins[key] -= 1
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError when an invariant is broken: per-tier byte accounting and
+        capacity, each key in exactly one tier, policies tracking exactly their tier's keys,
+        pin counts positive."""
+        seen: dict[BlockKey, Tier] = {}
+        for tier, backend in self.tiers.items():
+            backend.check_integrity()
+            keys = set(backend.ledger.sizes_bytes)
+            if self.policies[tier].tracked() != keys:
+                raise AssertionError(f"{tier.name}: policy tracks other keys than the tier holds")
+            for key in keys:
+                if key in seen:
+                    raise AssertionError(f"{key.hex()} is in {seen[key].name} and {tier.name}")
+                seen[key] = tier
+        if seen != self.where:
+            raise AssertionError("the key -> tier map disagrees with the tiers")
+        if any(n <= 0 for n in self.pins.values()):
+            raise AssertionError(f"non-positive pin counts: {self.pins}")
+
+    def _emit(self, kind: EventKind, key: BlockKey, tier: Tier, has_snapshot: bool | None = None) -> None:
+        if self._emit_event is None:
+            return
+        if has_snapshot is None:
+            has_snapshot = self.tiers[tier].ledger.has_snapshot(key)
+        self._emit_event(StoreEvent(kind, key, tier, has_snapshot))
+
+    def put(self, key: BlockKey, blob: Blob, has_snapshot: bool, tier: Tier) -> bool:
+        """Place a block at ``tier`` or the first slower tier that takes it; a present key is
+        only touched unless the new block adds a snapshot (then replaced, unless pinned).
+        False when it fits nowhere."""
+        current = self.where.get(key)
+        if current is not None:
+            if not has_snapshot or self.tiers[current].ledger.has_snapshot(key):
+                self.policies[current].on_access(key)
+                return True
+            if key in self.pins:
+                return False
+            self._detach(key, current)
+        for target in self.tiers:
+            if target >= tier and self._insert(key, blob, target):
+                self.where[key] = target
+                self._emit("stored", key, target)
+                return True
+        if current is not None:  # the old copy is gone and the new one fits nowhere
+            del self.where[key]
+            self._emit("removed", key, current, has_snapshot=False)
+        return False
+
+    def get(self, key: BlockKey) -> Blob | None:
+        """The block as its tier holds it (a device payload copy, DRAM bytes, or a verified
+        SSD buffer), counting the access and promoting an unpinned block; None when absent
+        or dropped as corrupt."""
+        tier = self.where.get(key)
+        if tier is None:
+            return None
+        backend = self.tiers[tier]
+        blob = backend.try_get(key)
+        if blob is None:  # failed verification on SSD; the tier has deleted it
+            self.drop(key)
+            return None
+        self.policies[tier].on_access(key)
+        target = self._promotion_target(tier)
+        if target is not None and key not in self.pins:
+            self._promote(key, blob, tier, target)
+        return blob
+
+    def _promotion_target(self, tier: Tier) -> Tier | None:
+        target = next((t for t in self.tiers if t >= self.promote_to), None)
+        return target if target is not None and target < tier else None
+
+    def _promote(self, key: BlockKey, blob: Blob, source: Tier, target: Tier) -> None:
+        # Leave `source` first, so the room this frees can take blocks that making room in
+        # `target` demotes. `blob` holds the data meanwhile. When `target` refuses, the
+        # block goes back to `source` (or, if that has filled up with pinned blocks, is lost).
+        has_snapshot = self.tiers[source].ledger.has_snapshot(key)
+        self._detach(key, source)
+        if self._insert(key, blob, target):
+            self.where[key] = target
+            self._emit("moved", key, target)
+        elif not self._insert(key, blob, source):
+            del self.where[key]
+            self._emit("removed", key, source, has_snapshot)
+
+    def _insert(self, key: BlockKey, blob: Blob, tier: Tier) -> bool:
+        """Place a block into ``tier`` (where it is not yet), making room; False if it cannot."""
+        backend = self.tiers[tier]
+        if isinstance(backend, DeviceTier):
+            payload = as_payload(blob)
+            if not self._make_room(tier, backend.size_for(payload)):
+                return False
+            while not backend.put(key, payload):  # the engine holds the other pages
+                if not self._make_room(tier, backend.ledger.free_bytes + 1):
+                    return False
+        elif isinstance(backend, DramTier):
+            data = as_bytes(blob)
+            if not self._make_room(tier, len(data)):
+                return False
+            backend.put(key, data)
+        else:
+            parts = encode_parts(blob) if isinstance(blob, BlockPayload) else [blob]
+            size_bytes = sum(memoryview(p).nbytes for p in parts)
+            if not self._make_room(tier, size_bytes) or not backend.put(key, parts):
+                return False
+        self.policies[tier].on_insert(key)
+        return True
+
+    def _make_room(self, tier: Tier, need_bytes: int) -> bool:
+        """Evict from ``tier`` until ``need_bytes`` fit; evicts nothing when that is impossible."""
+        ledger = self.tiers[tier].ledger
+        deficit = need_bytes - ledger.free_bytes
+        if deficit <= 0:
+            return True
+        if need_bytes > ledger.capacity_bytes:
+            return False
+        view = EvictionView(ledger.sizes_bytes, self.pins.keys())
+        victims = self.policies[tier].select_victims(view, deficit)
+        if any(not view.candidate(v) for v in victims):
+            raise AssertionError(f"{tier.name}: policy chose a pinned or absent victim")
+        if sum(ledger.sizes_bytes[v] for v in victims) < deficit:
+            return False
+        for victim in victims:
+            self._demote(victim, tier)
+        return True
+
+    def _demote(self, key: BlockKey, tier: Tier) -> None:
+        """Move an evicted block to the first slower tier that takes it, else drop it."""
+        slower = [t for t in self.tiers if t > tier]
+        blob = self.tiers[tier].try_get(key) if slower else None
+        if blob is not None:
+            for target in slower:
+                if self._insert(key, blob, target):
+                    self._detach(key, tier)
+                    self.where[key] = target
+                    logger.debug("demoted %s from %s to %s", key.hex(), tier.name, target.name)
+                    self._emit("moved", key, target)
+                    return
+        logger.debug("dropped %s from %s", key.hex(), tier.name)
+        self.drop(key)
+
+    def _detach(self, key: BlockKey, tier: Tier) -> None:
+        """Remove a block from one tier's storage and policy (bookkeeping of _where aside)."""
+        self.tiers[tier].remove(key)
+        self.policies[tier].on_remove(key)
+
+    def drop(self, key: BlockKey) -> None:
+        """Forget a present block everywhere and emit "removed"."""
+        tier = self.where.pop(key)
+        has_snapshot = self.tiers[tier].ledger.has_snapshot(key)
+        self._detach(key, tier)
+        self._emit("removed", key, tier, has_snapshot)
+
+
+def as_payload(blob: Blob) -> BlockPayload:
+    # Encoded blobs in the store were verified on entry (put_encoded, SSD reads) or made by
+    # encode(), so only the header is re-checked here.
+    return blob if isinstance(blob, BlockPayload) else decode(blob, verify_checksum=False)
+
+
+def as_bytes(blob: Blob) -> bytes:
+    if isinstance(blob, BlockPayload):
+        return encode(blob)
+    return blob if isinstance(blob, bytes) else bytes(blob)
