@@ -64,6 +64,7 @@ class DecodeScheduler:
         self._waiting: list[_Running] = []
         self._running: dict[str, _Running] = {}
         self._stop = False
+        self.draining = False
         self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
 
     # ---- called from RPC handlers ---------------------------------------------------------
@@ -71,10 +72,13 @@ class DecodeScheduler:
         self._thread.start()
 
     def try_reserve(self, request_id: str, num_tokens: int) -> SequenceCache | None:
-        """Pages for num_tokens plus a KDA slot, or None when they do not fit now."""
+        """Pages for num_tokens plus a KDA slot, or None when they do not fit now (or the
+        worker is draining)."""
         with self._lock:
             if request_id in self._reserved or request_id in self._running:
                 raise ValueError(f"request {request_id!r} is already on this worker")
+            if self.draining:
+                return None
             seq = self.cache.try_reserve(request_id, num_tokens)
             if seq is not None:
                 self._reserved[request_id] = _Reserved(seq, time.monotonic() + self.reservation_ttl_s)
@@ -118,6 +122,14 @@ class DecodeScheduler:
                 "num_tokens_in_flight": sum(r.seq.num_tokens for r in self._running.values()),
             }
 
+    def drain(self, timeout_s: float) -> None:
+        """Refuses new reservations and waits until every held request has ended."""
+        until = time.monotonic() + timeout_s
+        with self._lock:
+            self.draining = True
+            while (self._reserved or self._waiting or self._running) and time.monotonic() < until:
+                self._wake.wait(min(0.1, max(0.0, until - time.monotonic())))
+
     def stop(self) -> None:
         with self._lock:
             self._stop = True
@@ -150,6 +162,7 @@ class DecodeScheduler:
 
     def _admit(self) -> list[_Running]:
         """Drops cancelled requests, moves waiting ones into the batch, grows pages. Under lock."""
+        self._expire_reservations()
         for run in [r for r in self._running.values() if r.cancelled]:
             self._finish(run, Finished("cancelled"))
         while self._waiting and len(self._running) < self.max_batch:
@@ -186,6 +199,7 @@ class DecodeScheduler:
         self._running.pop(run.seq.request_id, None)
         self.cache.release(run.seq)
         run.out.put(item)
+        self._wake.notify_all()
 
     def _expire_reservations(self) -> None:
         now = time.monotonic()

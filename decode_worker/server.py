@@ -45,6 +45,8 @@ class DecodeService(igrpc.DecodeServicer):
             seq = self.scheduler.try_reserve(request.request_id, n)
         except ValueError as e:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        if seq is None and self.scheduler.draining:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining for shutdown")
         if seq is None:
             load = self.scheduler.load()
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -129,4 +131,5 @@ def serve(argv: list[str] | None = None) -> None:
     scheduler.start()
     link.start()
     print(f"tidekv decode worker {worker_id} serving on {running.address}", flush=True)
-    serve_until_signal(running, on_stop=lambda: (link.stop(), scheduler.stop(), receiver.close()))
+    serve_until_signal(running, on_stop=lambda: (link.stop(), scheduler.stop(), receiver.close()),
+                       drain=scheduler.drain)

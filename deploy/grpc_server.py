@@ -3,7 +3,9 @@
 ``start_server`` binds ``host:port`` (127.0.0.1 unless told otherwise; port 0 picks a free
 one), registers the standard health service (all given services SERVING) and server
 reflection. ``serve_until_signal`` blocks until SIGTERM/SIGINT, then marks the process NOT
-SERVING, stops accepting new RPCs and lets in-flight ones finish within ``grace_s``.
+SERVING and drains: a worker's ``drain`` refuses new requests but keeps serving the RPCs of
+requests it already holds until they end; then the server stops accepting RPCs and lets
+in-flight ones finish within ``grace_s``.
 """
 
 from __future__ import annotations
@@ -68,13 +70,20 @@ def start_server(
 
 
 def serve_until_signal(running: RunningServer, grace_s: float = 30.0,
-                       on_stop: Callable[[], None] | None = None) -> None:
-    """Blocks until SIGTERM or SIGINT, then drains (see module docstring) and returns."""
+                       on_stop: Callable[[], None] | None = None,
+                       drain: Callable[[float], None] | None = None) -> None:
+    """Blocks until SIGTERM or SIGINT, then drains (see module docstring) and returns.
+
+    ``drain(timeout_s)`` must refuse new work and return once the process holds no request
+    (or the timeout passed)."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     log.info("signal received: draining in-flight requests (up to %.0f s)", grace_s)
+    running.set_serving(False)
+    if drain is not None:
+        drain(grace_s)
     running.stop(grace_s)
     if on_stop is not None:
         on_stop()

@@ -66,10 +66,23 @@ class LocalCluster:
             self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                                 cwd=Path(__file__).resolve().parent.parent)
 
-    def start(self, timeout_s: float = 120.0) -> LocalCluster:
+    def _spawn_conductor(self) -> None:
         c = self.config
         self._spawn("conductor", "conductor", ["--port", str(self.port), "--model", c.model, "--policy", c.policy,
                                               "--index", c.index, *c.conductor_args])
+
+    def restart_conductor(self, timeout_s: float = 60.0) -> None:
+        """Kills the Conductor (SIGKILL: no drain) and starts a new one on the same port; the
+        workers re-register with it (and republish their blocks) on their next heartbeat."""
+        old = self.procs.pop("conductor")
+        old.kill()
+        old.wait()
+        self._spawn_conductor()
+        self.wait_ready(timeout_s)
+
+    def start(self, timeout_s: float = 120.0) -> LocalCluster:
+        c = self.config
+        self._spawn_conductor()
         for i in range(c.num_prefill):
             self._spawn(f"prefill-{i}", "prefill", [
                 "--conductor", self.endpoint, "--worker-id", f"prefill-{i}", "--model", c.model,
@@ -106,19 +119,21 @@ class LocalCluster:
         raise RuntimeError(f"cluster not ready within {timeout_s:.0f}s (logs in {self.data_dir / 'logs'})")
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM every process (workers first, so they drain), then SIGKILL what remains."""
-        order = sorted(self.procs, key=lambda n: n == "conductor")
-        for name in order:
-            if self.procs[name].poll() is None:
-                self.procs[name].send_signal(signal.SIGTERM)
+        """Drains front to back: SIGTERM the Conductor and wait (its in-flight requests finish
+        on live workers), then SIGTERM the workers; SIGKILL whatever outlives ``grace_s``."""
         until = time.monotonic() + grace_s
-        for name in order:
-            p = self.procs[name]
-            try:
-                p.wait(timeout=max(0.1, until - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        conductor = [n for n in self.procs if n == "conductor"]
+        for group in (conductor, [n for n in self.procs if n != "conductor"]):
+            for name in group:
+                if self.procs[name].poll() is None:
+                    self.procs[name].send_signal(signal.SIGTERM)
+            for name in group:
+                p = self.procs[name]
+                try:
+                    p.wait(timeout=max(0.1, until - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
         self.procs.clear()
 
     def __enter__(self) -> LocalCluster:

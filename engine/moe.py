@@ -3,7 +3,8 @@
 Owns the sigmoid router (correction bias for choice only, renormalised top-k weights,
 routed scaling factor, optional group limit) and the expert dispatch. Dispatch never loops
 over tokens: small batches gather the chosen experts' weights and run batched matmuls; large
-ones sort tokens by expert and run one matmul per expert that received tokens.
+ones sort tokens by expert and run one matmul per expert that received tokens (always on CPU,
+where gathering weights costs more memory traffic than it saves).
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class MoE:
         self.groups, self.topk_group = cfg.num_expert_group, cfg.topk_group
         self.renormalize = cfg.moe_renormalize
         self.scaling = cfg.routed_scaling_factor
+        # Gathering expert weights copies them; it only beats one matmul per expert on
+        # accelerators, where launches cost more than bytes. On CPU always group.
+        self.gather_max_pairs = 0 if w.w13.device.type == "cpu" else cfg.num_experts
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Chosen experts [N, k] and their weights [N, k] (fp32) for x [N, hidden]."""
@@ -77,7 +81,7 @@ class MoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         idx, weights = self.route(x)
-        if idx.numel() <= self.num_experts:
+        if idx.numel() <= self.gather_max_pairs:
             routed = self._gathered(x, idx, weights)
         else:
             routed = self._grouped(x, idx, weights)

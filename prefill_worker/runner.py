@@ -73,6 +73,7 @@ class PrefillRunner:
         self.cache = model.new_cache(num_pages, num_slots=2, block_size=block_size)
         self.snapshots = SnapshotPolicy(snapshot_interval_blocks)
         self._engine_lock = threading.Lock()
+        self.draining = False
         self._waiting = 0
         self._count_lock = threading.Lock()
 
@@ -86,14 +87,20 @@ class PrefillRunner:
             raise ValueError(f"{len(job.block_keys)} block keys for {len(job.token_ids)} tokens "
                              f"(block_size {bs} makes {len(job.token_ids) // bs} full blocks)")
         with self._count_lock:
+            if self.draining:
+                raise Busy("prefill worker is draining for shutdown")
             self._waiting += 1
-        try:
-            with self._engine_lock:
-                with self._count_lock:
-                    self._waiting -= 1
-                return self._run_locked(job, is_cancelled)
-        finally:
-            pass
+        with self._engine_lock:
+            with self._count_lock:
+                self._waiting -= 1
+            return self._run_locked(job, is_cancelled)
+
+    def drain(self, timeout_s: float) -> None:
+        """Refuses new prefills and waits (up to timeout_s) for the queued and running ones."""
+        with self._count_lock:
+            self.draining = True
+        if self._engine_lock.acquire(timeout=timeout_s):
+            self._engine_lock.release()
 
     @torch.inference_mode()
     def _run_locked(self, job: PrefillJob, is_cancelled: Callable[[], bool]) -> PrefillOutcome:

@@ -150,4 +150,4 @@ def serve(argv: list[str] | None = None) -> None:
     link = WorkerLink(args.conductor, info, load, all_blocks, drain_events=events.drain)
     link.start()
     print(f"tidekv prefill worker {worker_id} serving on {running.address} (data {data_dir})", flush=True)
-    serve_until_signal(running, on_stop=lambda: (link.stop(), hub.close(), store.close()))
+    serve_until_signal(running, on_stop=lambda: (link.stop(), hub.close(), store.close()), drain=runner.drain)
