@@ -8,6 +8,7 @@ SIGKILL to whatever is left. Logs go to ``<data_dir>/logs/<name>.log``.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -49,6 +50,8 @@ class ClusterConfig:
 class LocalCluster:
     def __init__(self, config: ClusterConfig = ClusterConfig()):
         self.config = config
+        # A directory made here is removed by stop(); a given one (logs, SSD tiers) is kept.
+        self._owns_data_dir = not config.data_dir
         self.data_dir = Path(config.data_dir or tempfile.mkdtemp(prefix="tidekv-up-"))
         self.port = config.port or free_port()
         self.procs: dict[str, subprocess.Popen] = {}
@@ -135,6 +138,8 @@ class LocalCluster:
                     p.kill()
                     p.wait()
         self.procs.clear()
+        if self._owns_data_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalCluster:
         return self.start()

@@ -100,3 +100,18 @@ def test_cache_pool_exhaustion_returns_none(tiny):
     cache.release(a)
     cache.check_integrity()
     assert cache.pool.num_free == 4 and cache.slots.num_free == 1
+
+
+def test_checkpoint_with_tokenizer_json(ckpt):
+    """A checkpoint directory's tokenizer.json is used through the tokenizers package."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    d, cfg, t = ckpt
+    save_checkpoint(d, cfg, t)
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    m = engine.load_model(str(d))
+    assert m.tokenizer.encode("hello world nope") == [1, 2, 0]
+    assert m.tokenizer.decode([1, 2]) == "hello world"

@@ -1,0 +1,261 @@
+"""End-to-end benchmark of a local cluster (Conductor + 1 prefill + 1 decode on 127.0.0.1).
+
+Measures side by side in one run and prints one JSON object (progress goes to stderr):
+
+1. TTFT of a 2,048-token prompt cold vs with its first 1,792 tokens cached (the cold request
+   is also the primer: the cached one shares its prefix and differs after it);
+2. cluster TTFT (cold) vs the single-process engine prefill of the same prompt here;
+3. inter-token latency of one decode stream, idle and while another client floods 1,500-token
+   cold prefills, for the cluster and for a colocated engine in this process.
+
+Every repeat uses fresh prompts, so nothing is cached across repeats. The cluster is always
+stopped (context manager). Usage: python -m bench.e2e [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import threading
+import time
+
+import grpc
+import torch
+
+import engine
+from bench.common import summary
+from conductor.client import Client
+from deploy.local import ClusterConfig, LocalCluster
+
+BLOCK_SIZE = 32
+SNAPSHOT_INTERVAL_BLOCKS = 8  # 1792 / 32 = 56 blocks, a snapshot point
+PROMPT_LEN, CACHED_LEN, FLOOD_LEN, STREAM_PROMPT_LEN = 2048, 1792, 1500, 256
+SETTLE_S = 0.5  # before each timed request: the prefill worker stores blocks after answering
+GOALS = {"cached_over_cold": 0.30, "cluster_over_single_process": 1.15, "disagg_p99_flood_over_idle": 1.3}
+
+
+def log(msg: str) -> None:
+    print(f"[e2e] {msg}", file=sys.stderr, flush=True)
+
+
+def ids(seed: int, n: int) -> list[int]:
+    """n byte-range token ids (below the tiny model's special ids), fixed by seed."""
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def pct(samples: list[float], q: float) -> float:
+    """Nearest-rank percentile, q in (0, 1]."""
+    s = sorted(samples)
+    return s[max(0, math.ceil(q * len(s)) - 1)]
+
+
+def ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b > 0 else float("nan")
+
+
+# ---- single process ---------------------------------------------------------------------------
+def local_prefill_s(model, prompt: list[int]) -> float:
+    """Engine prefill only (cache set-up excluded), in this process."""
+    cache = model.new_cache(len(prompt) // BLOCK_SIZE + 1, 1, BLOCK_SIZE)
+    seq = cache.try_reserve("local", len(prompt))
+    t0 = time.perf_counter()
+    model.prefill(cache, seq, prompt)
+    return time.perf_counter() - t0
+
+
+def colocated_gaps(model, prompt: list[int], max_tokens: int, flood_seed: int | None, cap_s: float) -> list[float]:
+    """One engine serving the stream and the flood: before every decode step it runs a pending
+    flood prefill in full. A closed-loop flood client with no think time always has its next
+    prompt pending, so with a flood every step waits for one 1,500-token prefill."""
+    num_pages = (len(prompt) + max_tokens + FLOOD_LEN) // BLOCK_SIZE + 4  # the stream + one flood prompt
+    cache = model.new_cache(num_pages, 2, BLOCK_SIZE)
+    seq = cache.try_reserve("stream", len(prompt) + max_tokens)
+    tok = int(model.prefill(cache, seq, prompt).argmax())
+    stamps, until = [], time.perf_counter() + cap_s
+    for i in range(max_tokens - 1):
+        if flood_seed is not None:
+            fseq = cache.try_reserve(f"flood-{i}", FLOOD_LEN)
+            model.prefill(cache, fseq, ids(flood_seed + i, FLOOD_LEN)).argmax()
+            cache.release(fseq)
+        tok = int(model.decode_step(cache, [seq], [tok])[0].argmax())
+        stamps.append(time.perf_counter())
+        if stamps[-1] > until:
+            break
+    cache.release(seq)
+    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+
+
+# ---- cluster ----------------------------------------------------------------------------------
+def ttft(client: Client, prompt: list[int]) -> tuple[float, int]:
+    """Client-measured TTFT and the cached_tokens the cluster reports; raises on a failed request."""
+    out = client.generate(Client.request(prompt, max_tokens=1))
+    if out.finish_reason not in ("length", "stop"):
+        raise RuntimeError(f"request failed ({out.finish_reason}): {out.error}")
+    return out.ttft_s, out.cached_tokens
+
+
+def cluster_gaps(endpoint: str, prompt: list[int], max_tokens: int) -> list[float]:
+    """Gaps between streamed token messages, from the second message (the first decode token) on:
+    the first gap also holds the KV hand-off, which is TTFT's business, not ITL's."""
+    client, stamps = Client(endpoint), []
+    try:
+        for msg in client.stub.Generate(Client.request(prompt, max_tokens=max_tokens), timeout=600):
+            if msg.token_ids:
+                stamps.append(time.perf_counter())
+            if msg.error:
+                raise RuntimeError(f"stream failed: {msg.error}")
+    finally:
+        client.close()
+    return [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]
+
+
+class Flood:
+    """A client thread sending fresh FLOOD_LEN-token prompts (max_tokens=1) back to back until stopped."""
+
+    def __init__(self, endpoint: str, seed: int):
+        self.client, self.seed = Client(endpoint), seed
+        self.num_done = self.num_refused = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flood", daemon=True)
+
+    def _run(self) -> None:
+        i = 0
+        while not self._stop.is_set():
+            i += 1
+            try:
+                self.client.generate(Client.request(ids(self.seed + i, FLOOD_LEN), max_tokens=1))
+                self.num_done += 1
+            except grpc.RpcError:  # refused (admission): counted; the flood goes on
+                self.num_refused += 1
+                self._stop.wait(0.2)
+
+    def __enter__(self) -> Flood:
+        self._thread.start()
+        time.sleep(0.5)  # let the first flood prefill start before the stream does
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)
+        self.client.close()
+
+
+# ---- the three measurements -------------------------------------------------------------------
+def measure_ttft(model, client: Client, repeats: int) -> dict:
+    cold, cached, local, cached_tokens = [], [], [], []
+    for r in range(repeats):
+        prefix = ids(1000 + r, CACHED_LEN)
+        cold_prompt = prefix + ids(2000 + r, PROMPT_LEN - CACHED_LEN)
+        time.sleep(SETTLE_S)
+        t_cold, _ = ttft(client, cold_prompt)  # also the primer of the cached request
+        time.sleep(SETTLE_S)
+        t_cached, n = ttft(client, prefix + ids(3000 + r, PROMPT_LEN - CACHED_LEN))
+        time.sleep(SETTLE_S)
+        t_local = local_prefill_s(model, cold_prompt)
+        for samples, x in ((cold, t_cold), (cached, t_cached), (local, t_local), (cached_tokens, n)):
+            samples.append(x)
+        log(f"ttft repeat {r}: cold {t_cold:.2f}s cached {t_cached:.2f}s ({n} tokens) local prefill {t_local:.2f}s")
+    c, w, lo = summary(cold), summary(cached), summary(local)
+    return {
+        "prefix_cache": {
+            "prompt_tokens": PROMPT_LEN, "prefix_tokens": CACHED_LEN, "cold": c, "cached": w,
+            "cached_tokens_reported": cached_tokens, "ratio_cached_over_cold": ratio(w["median_s"], c["median_s"]),
+            "ratios_per_repeat": [ratio(a, b) for a, b in zip(cached, cold, strict=True)],
+            "goal": GOALS["cached_over_cold"], "meets_goal": w["median_s"] / c["median_s"] <= GOALS["cached_over_cold"],
+        },
+        "cluster_vs_single_process": {
+            "cluster_ttft_cold": c, "single_process_prefill": lo,
+            "ratio_cluster_over_single_process": ratio(c["median_s"], lo["median_s"]),
+            "ratios_per_repeat": [ratio(a, b) for a, b in zip(cold, local, strict=True)],
+            "goal": GOALS["cluster_over_single_process"],
+            "meets_goal": c["median_s"] / lo["median_s"] <= GOALS["cluster_over_single_process"],
+        },
+    }
+
+
+def itl_stats(runs: list[list[float]]) -> dict:
+    pooled = [g for run in runs for g in run]
+    if not pooled:
+        return {"n_gaps": 0}
+    return {"p50_ms": round(pct(pooled, 0.5) * 1e3, 2), "p99_ms": round(pct(pooled, 0.99) * 1e3, 2),
+            "max_ms": round(max(pooled) * 1e3, 2), "n_gaps": len(pooled),
+            "p99_ms_per_run": [round(pct(r, 0.99) * 1e3, 2) for r in runs if r]}
+
+
+def with_ratio(idle: list[list[float]], flood: list[list[float]]) -> dict:
+    i, f = itl_stats(idle), itl_stats(flood)
+    return {"idle": i, "flood": f, "p99_flood_over_idle": ratio(f.get("p99_ms", 0), i.get("p99_ms", 0))}
+
+
+def measure_itl(model, endpoint: str, runs: int, max_tokens: int, colocated_cap_s: float) -> dict:
+    gaps: dict[str, list[list[float]]] = {k: [] for k in ("d_idle", "d_flood", "c_idle", "c_flood")}
+    floods = []
+    for r in range(runs):
+        base = 20_000 + 100 * r
+        gaps["d_idle"].append(cluster_gaps(endpoint, ids(base + 1, STREAM_PROMPT_LEN), max_tokens))
+        with Flood(endpoint, seed=100_000 + 1000 * r) as flood:
+            gaps["d_flood"].append(cluster_gaps(endpoint, ids(base + 2, STREAM_PROMPT_LEN), max_tokens))
+        floods.append({"completed": flood.num_done, "refused": flood.num_refused})
+        time.sleep(SETTLE_S)
+        gaps["c_idle"].append(colocated_gaps(model, ids(base + 3, STREAM_PROMPT_LEN), max_tokens, None, 600))
+        gaps["c_flood"].append(colocated_gaps(model, ids(base + 4, STREAM_PROMPT_LEN), max_tokens,
+                                              200_000 + 1000 * r, colocated_cap_s))
+        log(f"itl run {r}: " + ", ".join(f"{k} p99 {pct(v[-1], 0.99) * 1e3:.0f}ms" for k, v in gaps.items() if v[-1]))
+    d, c = with_ratio(gaps["d_idle"], gaps["d_flood"]), with_ratio(gaps["c_idle"], gaps["c_flood"])
+    return {
+        "stream_prompt_tokens": STREAM_PROMPT_LEN, "stream_max_tokens": max_tokens, "flood_prompt_tokens": FLOOD_LEN,
+        "disaggregated": {**d, "goal": GOALS["disagg_p99_flood_over_idle"],
+                          "meets_goal": d["p99_flood_over_idle"] <= GOALS["disagg_p99_flood_over_idle"],
+                          "flood_requests": floods},
+        "colocated": {**c, "stream_capped_at_s": colocated_cap_s},
+        "flood_p99_colocated_over_disaggregated": ratio(c["flood"].get("p99_ms", 0), d["flood"].get("p99_ms", 0)),
+    }
+
+
+def warm_up(model, client: Client) -> None:
+    """First requests pay one-off costs (connections, allocator, lazy imports)."""
+    for seed in (1, 2):
+        ttft(client, ids(seed, STREAM_PROMPT_LEN))
+    local_prefill_s(model, ids(3, STREAM_PROMPT_LEN))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="about a minute: fewer repeats, a shorter stream")
+    args = ap.parse_args()
+    repeats, runs, max_tokens, cap_s = (2, 1, 60, 6.0) if args.quick else (5, 2, 200, 20.0)
+    torch.set_num_threads(1)  # the same as each worker process (TIDEKV_TORCH_THREADS=1)
+    model = engine.load_model("tiny")
+    t0, load_start = time.perf_counter(), os.getloadavg()
+    cfg = ClusterConfig(num_prefill=1, num_decode=1, threads_per_process=1,
+                        prefill_args=("--block-size", str(BLOCK_SIZE),
+                                      "--snapshot-interval-blocks", str(SNAPSHOT_INTERVAL_BLOCKS)),
+                        decode_args=("--block-size", str(BLOCK_SIZE)))
+    log("starting the cluster")
+    with LocalCluster(cfg) as cluster, torch.inference_mode():
+        client = Client(cluster.endpoint)
+        try:
+            warm_up(model, client)
+            ttft_result = measure_ttft(model, client, repeats)
+        finally:
+            client.close()
+        itl = measure_itl(model, cluster.endpoint, runs, max_tokens, cap_s)
+    result = {
+        "quick": args.quick, "cpu_count": os.cpu_count(), "torch_threads_per_process": 1,
+        "loadavg_1m_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
+        "block_size": BLOCK_SIZE, "snapshot_interval_blocks": SNAPSHOT_INTERVAL_BLOCKS, "repeats": repeats,
+        "ttft": ttft_result, "itl": itl, "wall_s": round(time.perf_counter() - t0, 1),
+        "notes": (f"{os.cpu_count()} cores shared by the Conductor, the prefill and decode workers and this "
+                  "process (plus whatever else runs on the machine, see loadavg): during a flood the prefill "
+                  "and decode processes compete for CPU, which inflates the disaggregated under-flood ITL. "
+                  "Colocated flood: every decode step waits for one full flood prefill (closed-loop client), "
+                  "so its stream is capped in time and has few gaps."),
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
