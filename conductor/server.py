@@ -104,7 +104,8 @@ def make_index(url: str, ttl_s: float) -> GlobalIndex:
     if url in ("", "memory"):
         return MemoryIndex(ttl_s=ttl_s)
     if url.startswith("redis://"):
-        from kvstore.index_redis import FallbackIndex, RedisIndex, RedisIndexConfig
+        from kvstore.index_fallback import FallbackIndex
+        from kvstore.index_redis import RedisIndex, RedisIndexConfig
 
         return FallbackIndex(RedisIndex(url, config=RedisIndexConfig(ttl_s=ttl_s)), MemoryIndex(ttl_s=ttl_s))
     raise ValueError(f"--index must be 'memory' or redis://HOST:PORT[/DB], got {url!r}")

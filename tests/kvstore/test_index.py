@@ -26,8 +26,9 @@ from kvstore.index import (
     WorkerMatch,
     WorkerRole,
 )
+from kvstore.index_fallback import FallbackIndex
 from kvstore.index_memory import MemoryIndex
-from kvstore.index_redis import FallbackIndex, RedisIndex, RedisIndexConfig
+from kvstore.index_redis import RedisIndex, RedisIndexConfig
 
 if TYPE_CHECKING:
     from tests.kvstore.conftest import RedisServer
