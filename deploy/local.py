@@ -41,6 +41,9 @@ class ClusterConfig:
     port: int = 0
     data_dir: str = ""
     threads_per_process: int = 1
+    # All roles share this host's cores: prefill is throughput work, decode is latency-bound,
+    # so prefill processes run at a lower CPU priority (os.nice) than decode and the Conductor.
+    prefill_nice: int = 10
     conductor_args: tuple[str, ...] = ()
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
@@ -60,14 +63,15 @@ class LocalCluster:
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def _spawn(self, name: str, role: str, args: list[str]) -> None:
+    def _spawn(self, name: str, role: str, args: list[str], nice: int = 0) -> None:
         logs = self.data_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "TIDEKV_TORCH_THREADS": str(self.config.threads_per_process), **self.config.env}
         cmd = [sys.executable, "-m", "deploy.cli", "serve", "--role", role, *args]
         with open(logs / f"{name}.log", "w") as log:
             self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                                cwd=Path(__file__).resolve().parent.parent)
+                                                cwd=Path(__file__).resolve().parent.parent,
+                                                preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
     def _spawn_conductor(self) -> None:
         c = self.config
@@ -89,7 +93,7 @@ class LocalCluster:
         for i in range(c.num_prefill):
             self._spawn(f"prefill-{i}", "prefill", [
                 "--conductor", self.endpoint, "--worker-id", f"prefill-{i}", "--model", c.model,
-                "--data-dir", str(self.data_dir / f"prefill-{i}"), *c.prefill_args])
+                "--data-dir", str(self.data_dir / f"prefill-{i}"), *c.prefill_args], nice=c.prefill_nice)
         for i in range(c.num_decode):
             self._spawn(f"decode-{i}", "decode", ["--conductor", self.endpoint, "--worker-id", f"decode-{i}",
                                                  "--model", c.model, *c.decode_args])
