@@ -18,7 +18,7 @@ import engine
 from decode_worker.scheduler import DecodeScheduler, Finished
 from decode_worker.sink import PageSink, expected_for
 from deploy.grpc_server import serve_until_signal, start_server
-from deploy.settings import setup_torch
+from deploy.settings import setup_torch, worker_parser
 from deploy.worker_link import WorkerLink
 from kvstore.transfer.base import TransferConfig, TransferError
 from kvstore.transfer.receiver import Receiver
@@ -90,20 +90,10 @@ class DecodeService(igrpc.DecodeServicer):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser("tidekv serve --role decode")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--conductor", required=True, help="host:port of the Conductor")
-    p.add_argument("--worker-id", default="")
-    p.add_argument("--num-pages", type=int, default=2048)
-    p.add_argument("--num-slots", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=engine.DEFAULT_BLOCK_SIZE)
+    p = worker_parser("decode", num_pages=2048)
+    p.add_argument("--num-slots", type=int, default=64, help="KDA state slots: most requests held at once")
     p.add_argument("--max-batch", type=int, default=32)
-    p.add_argument("--transfer-backend", default="tcp", choices=["tcp", "shm", "ucx"])
     p.add_argument("--transfer-deadline-s", type=float, default=60.0)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=0)
     return p
 
 

@@ -17,7 +17,7 @@ import grpc
 
 import engine
 from deploy.grpc_server import serve_until_signal, start_server
-from deploy.settings import setup_torch
+from deploy.settings import setup_torch, worker_parser
 from deploy.worker_link import WorkerLink
 from kvstore.store import StoreConfig, StoreEvent, TieredStore
 from kvstore.transfer.base import TransferConfig, TransferError
@@ -99,22 +99,12 @@ class PrefillService(igrpc.PrefillServicer):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser("tidekv serve --role prefill")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--conductor", required=True, help="host:port of the Conductor")
-    p.add_argument("--worker-id", default="")
-    p.add_argument("--num-pages", type=int, default=1024)
-    p.add_argument("--block-size", type=int, default=engine.DEFAULT_BLOCK_SIZE)
-    p.add_argument("--snapshot-interval-blocks", type=int, default=4)
+    p = worker_parser("prefill", num_pages=1024)
+    p.add_argument("--snapshot-interval-blocks", type=int, default=4, help="a KDA snapshot every N blocks")
     p.add_argument("--dram-bytes", type=int, default=512 << 20)
     p.add_argument("--ssd-bytes", type=int, default=1 << 30)
     p.add_argument("--data-dir", default="", help="SSD tier directory (default: a temporary one)")
     p.add_argument("--eviction", default="lru")
-    p.add_argument("--transfer-backend", default="tcp", choices=["tcp", "shm", "ucx"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=0)
     return p
 
 
