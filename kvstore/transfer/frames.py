@@ -1,0 +1,276 @@
+"""Frame layout of the transfer engine: the fixed-size header, frame kinds, dtype codes and
+body checksums. Pure functions and frozen values; no I/O, no threads, no torch import.
+
+Every frame is one 160-byte header, optionally followed by ``body_bytes`` of body on the same
+stream (``FLAG_INLINE_BODY``); otherwise the body travels out of band (shm ring, UCX tag) and
+``aux`` tells the backend where. All integers are little-endian::
+
+    offset size  field
+       0    4    magic            b"TKV1"
+       4    2    version          FRAME_VERSION
+       6    1    kind             Kind
+       7    1    dtype            DType code of the body elements
+       8    1    ndim             0..MAX_NDIM; shape[ndim:] is zero
+       9    1    checksum_algo    ChecksumAlgo of body_checksum
+      10    1    request_id_len   bytes of request_id used (utf-8)
+      11    1    flags            FLAG_INLINE_BODY
+      12    4    layer            model layer index; blob index for BLOB; layer count for END
+      16    8    seq              per-connection sequence number (ACK: every data frame up to it)
+      24    8    token_start      first token of the chunk
+      32    8    token_end        one past the last token
+      40   32    shape            4 x i64 element shape of the body
+      72    8    body_bytes       body length
+      80    8    aux              shm ring offset of the body
+      88    4    body_checksum    checksum of the body bytes
+      92   64    request_id       utf-8, zero padded
+     156    4    header_crc       zlib.crc32 of bytes [0, 156)
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+try:  # hardware CRC32C (SSE4.2), ~5x faster than zlib.crc32; optional
+    import crc32c as _crc32c
+except ImportError:  # pragma: no cover - depends on the environment
+    _crc32c = None
+
+MAGIC = b"TKV1"
+FRAME_VERSION = 1
+MAX_NDIM = 4
+REQUEST_ID_MAX_BYTES = 64
+FLAG_INLINE_BODY = 0x01
+
+_BODY_FMT = "<4sHBBBBBBiQqq4qQQI64s"
+_HEADER_STRUCT = struct.Struct(_BODY_FMT + "I")
+_CRC_COVERED = struct.calcsize(_BODY_FMT)
+HEADER_BYTES = _HEADER_STRUCT.size
+assert HEADER_BYTES == 160
+
+
+class FrameError(ValueError):
+    """A header or body that cannot be a valid frame (bad magic, crc, lengths)."""
+
+
+class Kind(enum.IntEnum):
+    """What a frame carries. Data kinds go sender -> receiver; replies go back."""
+
+    MLA_ROWS = 1  # rows [token_end - token_start, latent_dim] of one MLA layer
+    KDA_STATE = 2  # final recurrent state [H, K, V] of one KDA layer
+    KDA_CONV = 3  # final short-conv window [kernel - 1, channels] of one KDA layer
+    BLOB = 4  # opaque bytes (an encoded cache block); layer = blob index
+    END = 16  # sender finished the request; layer = number of layers it pushed
+    ABORT = 17  # sender gave up on the request; body = utf-8 reason
+    HELLO = 18  # connection handshake; body = backend-specific bytes
+    ACK = 32  # receiver consumed every data frame up to `seq` (cumulative)
+    ERROR = 33  # receiver failed the request; body = utf-8 reason
+    DONE = 34  # receiver holds the complete request
+
+    @property
+    def is_data(self) -> bool:
+        return self in (Kind.MLA_ROWS, Kind.KDA_STATE, Kind.KDA_CONV, Kind.BLOB)
+
+
+class DType(enum.IntEnum):
+    """Element types of a body; names match torch and numpy (bfloat16 has no numpy type)."""
+
+    UINT8 = 1
+    INT8 = 2
+    INT16 = 3
+    INT32 = 4
+    INT64 = 5
+    FLOAT16 = 6
+    BFLOAT16 = 7
+    FLOAT32 = 8
+    FLOAT64 = 9
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self]
+
+    @classmethod
+    def from_name(cls, name: object) -> DType:
+        """``DType`` of a dtype given as a name, a numpy dtype or a torch dtype."""
+        text = str(name).removeprefix("torch.")
+        try:
+            return cls[text.upper()]
+        except KeyError:
+            raise ValueError(f"unsupported dtype {name!r}; supported: {[d.name.lower() for d in cls]}") from None
+
+
+_ITEMSIZE = {
+    DType.UINT8: 1,
+    DType.INT8: 1,
+    DType.INT16: 2,
+    DType.INT32: 4,
+    DType.INT64: 8,
+    DType.FLOAT16: 2,
+    DType.BFLOAT16: 2,
+    DType.FLOAT32: 4,
+    DType.FLOAT64: 8,
+}
+
+
+class ChecksumAlgo(enum.IntEnum):
+    CRC32 = 1  # zlib.crc32, always available
+    CRC32C = 2  # crc32c package (hardware accelerated)
+
+
+def default_checksum_algo() -> ChecksumAlgo:
+    """CRC32C when the ``crc32c`` package is importable, else zlib's CRC32."""
+    return ChecksumAlgo.CRC32C if _crc32c is not None else ChecksumAlgo.CRC32
+
+
+def checksum(algo: ChecksumAlgo, body: memoryview) -> int:
+    """Checksum of ``body`` (a 1-D byte view); both algorithms release the GIL on large inputs."""
+    if algo == ChecksumAlgo.CRC32C:
+        if _crc32c is None:
+            raise FrameError("frame uses crc32c but the crc32c package is not installed here")
+        return _crc32c.crc32c(body)
+    return zlib.crc32(body)
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    """One frame's header; see the module docstring for the byte layout."""
+
+    kind: Kind
+    request_id: str
+    seq: int = 0
+    layer: int = 0
+    token_start: int = 0
+    token_end: int = 0
+    dtype: DType = DType.UINT8
+    shape: tuple[int, ...] = field(default=())
+    body_bytes: int = 0
+    aux: int = 0
+    body_checksum: int = 0
+    checksum_algo: ChecksumAlgo = ChecksumAlgo.CRC32
+    flags: int = 0
+
+    @property
+    def inline_body(self) -> bool:
+        return bool(self.flags & FLAG_INLINE_BODY) and self.body_bytes > 0
+
+    def describe(self) -> str:
+        """Short text naming the frame, for error messages."""
+        text = f"{self.kind.name} request {self.request_id!r} seq {self.seq}"
+        if self.kind.is_data:
+            text += f" layer {self.layer} tokens [{self.token_start}, {self.token_end})"
+        return text
+
+    def pack(self) -> bytes:
+        rid = self.request_id.encode()
+        if len(rid) > REQUEST_ID_MAX_BYTES:
+            raise ValueError(f"request id is {len(rid)} bytes utf-8, limit {REQUEST_ID_MAX_BYTES}")
+        if len(self.shape) > MAX_NDIM:
+            raise ValueError(f"shape {self.shape} has {len(self.shape)} dims, limit {MAX_NDIM}")
+        shape = tuple(self.shape) + (0,) * (MAX_NDIM - len(self.shape))
+        fields = (
+            MAGIC,
+            FRAME_VERSION,
+            int(self.kind),
+            int(self.dtype),
+            len(self.shape),
+            int(self.checksum_algo),
+            len(rid),
+            self.flags,
+            self.layer,
+            self.seq,
+            self.token_start,
+            self.token_end,
+            *shape,
+            self.body_bytes,
+            self.aux,
+            self.body_checksum,
+            rid,
+        )
+        covered = struct.pack(_BODY_FMT, *fields)
+        return covered + struct.pack("<I", zlib.crc32(covered))
+
+
+def unpack_header(buf: bytes | bytearray | memoryview) -> FrameHeader:
+    """Parse and validate one header; raises ``FrameError`` naming what is wrong."""
+    if len(buf) != HEADER_BYTES:
+        raise FrameError(f"header is {len(buf)} bytes, expected {HEADER_BYTES}")
+    (
+        magic,
+        version,
+        kind,
+        dtype,
+        ndim,
+        algo,
+        rid_len,
+        flags,
+        layer,
+        seq,
+        t0,
+        t1,
+        s0,
+        s1,
+        s2,
+        s3,
+        body_bytes,
+        aux,
+        body_crc,
+        rid,
+        header_crc,
+    ) = _HEADER_STRUCT.unpack(buf)
+    if magic != MAGIC:
+        raise FrameError(f"bad frame magic {magic!r}, expected {MAGIC!r} (stream out of sync?)")
+    if version != FRAME_VERSION:
+        raise FrameError(f"frame version {version}, this build speaks {FRAME_VERSION}")
+    actual_crc = zlib.crc32(memoryview(buf)[:_CRC_COVERED])
+    if actual_crc != header_crc:
+        raise FrameError(f"header checksum mismatch: header says {header_crc:#010x}, computed {actual_crc:#010x}")
+    if ndim > MAX_NDIM or rid_len > REQUEST_ID_MAX_BYTES:
+        raise FrameError(f"header has ndim {ndim} / request id length {rid_len} beyond limits")
+    try:
+        header = FrameHeader(
+            kind=Kind(kind),
+            request_id=rid[:rid_len].decode(),
+            seq=seq,
+            layer=layer,
+            token_start=t0,
+            token_end=t1,
+            dtype=DType(dtype),
+            shape=(s0, s1, s2, s3)[:ndim],
+            body_bytes=body_bytes,
+            aux=aux,
+            body_checksum=body_crc,
+            checksum_algo=ChecksumAlgo(algo),
+            flags=flags,
+        )
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FrameError(f"invalid header field: {exc}") from exc
+    if header.kind.is_data:
+        expected_bytes = math.prod(header.shape) * header.dtype.itemsize
+        if expected_bytes != body_bytes:
+            raise FrameError(
+                f"{header.describe()}: body_bytes {body_bytes} != {header.dtype.name.lower()} "
+                f"shape {header.shape} = {expected_bytes} bytes"
+            )
+    return header
+
+
+def control_header(
+    kind: Kind, request_id: str, *, seq: int = 0, layer: int = 0, aux: int = 0, payload: bytes = b""
+) -> FrameHeader:
+    """Header of a control or reply frame whose small ``payload`` rides inline."""
+    algo = ChecksumAlgo.CRC32
+    return FrameHeader(
+        kind=kind,
+        request_id=request_id,
+        seq=seq,
+        layer=layer,
+        aux=aux,
+        body_bytes=len(payload),
+        shape=(len(payload),),
+        body_checksum=zlib.crc32(payload),
+        checksum_algo=algo,
+        flags=FLAG_INLINE_BODY,
+    )

@@ -1,0 +1,103 @@
+"""TCP backend: frames with inline bodies over one asyncio (uvloop) stream per sender.
+
+Bodies leave straight from the tensor's memory (``writelines`` of a memoryview) and land in the
+receiving connection's staging buffer via ``recv_into`` (``wire.FrameConnection``); the sink
+then copies them into the destination. Listeners bind ``config.bind_host`` (127.0.0.1 by
+default). Runs on the I/O loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+
+from kvstore.transfer.base import Address, RecvLink, TransferConfig, TransferError
+from kvstore.transfer.frames import FrameError
+from kvstore.transfer.wire import FrameConnection, StreamRecvLink, StreamSendLink
+
+logger = logging.getLogger(__name__)
+SOCKET_BUFFER_BYTES = 4 << 20
+
+
+def tune_socket(transport: asyncio.BaseTransport) -> None:
+    """Large kernel buffers so 16 MiB frames move in few wakeups."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+
+
+class StreamListener:
+    """A listening server whose connections each become a receive link served by ``on_link``."""
+
+    def __init__(self, address: str, server: asyncio.AbstractServer, tasks: set[asyncio.Task]):
+        self.address = address
+        self._server = server
+        self._tasks = tasks
+
+    def close(self) -> None:
+        self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+
+
+def serve_factory(
+    config: TransferConfig,
+    make_link: Callable[[FrameConnection], Awaitable[RecvLink]],
+    on_link: Callable[[RecvLink], Awaitable[None]],
+    tasks: set[asyncio.Task],
+):
+    """Protocol factory for a listener: each accepted connection runs ``on_link(make_link(conn))``."""
+
+    async def accept(conn: FrameConnection) -> None:
+        try:
+            link = await make_link(conn)
+        except (TransferError, FrameError, OSError, TimeoutError) as exc:
+            logger.warning("rejecting transfer connection: %s", exc)
+            conn.close()
+            return
+        await on_link(link)
+
+    def on_connected(conn: FrameConnection) -> None:
+        task = asyncio.get_running_loop().create_task(accept(conn))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    return lambda: FrameConnection(config.max_frame_bytes, on_connected)
+
+
+async def _plain_link(conn: FrameConnection) -> RecvLink:
+    tune_socket(conn.transport)
+    return StreamRecvLink(conn)
+
+
+class TcpBackend:
+    scheme = "tcp"
+
+    async def listen(self, config: TransferConfig, on_link: Callable[[RecvLink], Awaitable[None]]) -> StreamListener:
+        tasks: set[asyncio.Task] = set()
+        factory = serve_factory(config, _plain_link, on_link, tasks)
+        server = await asyncio.get_running_loop().create_server(factory, config.bind_host, 0)
+        host, port = server.sockets[0].getsockname()[:2]
+        return StreamListener(str(Address("tcp", host=host, port=port)), server, tasks)
+
+    async def connect(self, address: Address, config: TransferConfig) -> StreamSendLink:
+        conn = await open_tcp(address, config)
+        return StreamSendLink(conn)
+
+
+async def open_tcp(address: Address, config: TransferConfig) -> FrameConnection:
+    """Connect a FrameConnection to ``address.host:port`` within ``config.connect_timeout_s``."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(config.connect_timeout_s):
+            transport, conn = await loop.create_connection(
+                lambda: FrameConnection(config.max_frame_bytes), address.host, address.port
+            )
+    except (OSError, TimeoutError) as exc:
+        raise TransferError(f"cannot connect to {address}: {exc!r}") from exc
+    tune_socket(transport)
+    return conn

@@ -1,0 +1,259 @@
+"""UCX backend through ucxx: headers over a TCP control connection, bodies as UCX tag messages.
+
+The receiver listens on a TCP control port (``config.bind_host``, 127.0.0.1 by default; UCX's
+own sockaddr listener would bind every interface, so it is not used). On connect it sends a
+HELLO carrying its UCX worker address and a per-connection tag prefix; the sender opens a UCX
+endpoint to that worker address. Each data frame's header goes over TCP and its body as one
+tag message ``tag = prefix << 32 | seq`` from the tensor's memory; the receiver posts the
+matching tag receive as soon as the header arrives (UCX holds early messages). Both sides
+pipeline: several bodies are in flight at once, bounded by the sender's in-flight credit.
+Every body send/recv races the control connection closing, so a dead peer fails, not hangs.
+
+``ucxx.init`` runs once per process with ``config.ucx_options`` (default: TCP over loopback,
+``TLS=tcp NET_DEVICES=lo``; RDMA deployments pass their own). All of it runs on the I/O loop,
+whose UCX progress ucxx drives from its own progress thread; completions reach the loop as
+Python futures set by ucxx's notifier thread (``enable_python_future``), not by polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import struct
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+# UCX logs to stdout by default, which corrupts commands that print JSON; ucxx itself sets
+# UCX_MEMTYPE_CACHE, which CPU builds of UCX then warn about. Callers' settings win.
+os.environ.setdefault("UCX_LOG_FILE", "stderr")
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+import ucxx  # after the environment defaults above
+from ucxx.exceptions import UCXError
+
+from kvstore.transfer.base import Address, Frame, LinkClosed, RecvLink, TransferConfig, TransferError
+from kvstore.transfer.frames import HEADER_BYTES, FrameError, FrameHeader, Kind, control_header
+from kvstore.transfer.tcp import StreamListener, open_tcp, serve_factory
+from kvstore.transfer.wire import FrameConnection, StreamRecvLink, StreamSendLink
+
+logger = logging.getLogger(__name__)
+_HELLO = struct.Struct("<I")  # tag prefix; followed by the receiver's UCX worker address
+_init_lock = threading.Lock()
+_initialized_options: tuple[tuple[str, str], ...] | None = None
+_tag_prefixes = itertools.count(1)  # process-wide: every connection to this worker gets its own
+# UCX operations given up on (peer gone, link closed). ucxx has no per-request cancel, and a
+# posted request keeps using its buffer, which its task keeps alive: so such tasks are never
+# cancelled, only parked here until UCX completes or fails them. I/O loop only.
+_orphans: set[asyncio.Future] = set()
+
+
+def _orphan(task: asyncio.Future) -> None:
+    if not task.done():
+        _orphans.add(task)
+        task.add_done_callback(_orphans.discard)
+
+
+def ensure_ucx(config: TransferConfig) -> None:
+    """Initialise ucxx once per process; later configs must agree on the options."""
+    global _initialized_options
+    with _init_lock:
+        if _initialized_options is None:
+            ucxx.init(options=dict(config.ucx_options), enable_python_future=True)
+            _initialized_options = config.ucx_options
+        elif _initialized_options != config.ucx_options:
+            logger.warning("ucxx already initialised with %s; ignoring %s", _initialized_options, config.ucx_options)
+
+
+def _tag(prefix: int, seq: int) -> int:
+    return (prefix << 32) | (seq & 0xFFFFFFFF)
+
+
+async def _race_close(op: Awaitable[Any], conn: FrameConnection, timeout_s: float, what: str) -> None:
+    """Await a UCX operation unless the control connection closes or ``timeout_s`` passes."""
+    task = asyncio.ensure_future(op)
+    closed = asyncio.ensure_future(conn.closed.wait())
+    done, _ = await asyncio.wait({task, closed}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    closed.cancel()
+    if task not in done:
+        _orphan(task)
+        why = (
+            f"control connection closed: {conn.closed_reason}" if closed in done else f"no progress in {timeout_s:g} s"
+        )
+        raise ConnectionError(f"{what} over UCX did not complete ({why})")
+    try:
+        task.result()
+    except UCXError as exc:
+        raise ConnectionError(f"{what} over UCX failed: {exc!r}") from exc
+
+
+class UcxSendLink(StreamSendLink):
+    """Sender end: header over TCP, body as a UCX tag message.
+
+    Sends are pipelined: ``send_data`` returns once the header is written and the body's tag
+    send is posted; the sender's in-flight bound (ACK credit) limits how many are outstanding.
+    A failed body send closes the control connection, which fails the sender.
+    """
+
+    def __init__(self, conn: FrameConnection, endpoint: Any, tag_prefix: int, config: TransferConfig):
+        super().__init__(conn)
+        self._endpoint = endpoint
+        self._tag_prefix = tag_prefix
+        self._timeout_s = config.deadline_s
+        self._sends: set[asyncio.Future] = set()
+        self._send_error: str | None = None
+
+    async def send_data(self, header: FrameHeader, body: memoryview) -> None:
+        if self._send_error is not None:
+            raise ConnectionError(self._send_error)
+        await self.conn.write(header.pack())
+        if header.body_bytes:
+            tag = _tag(self._tag_prefix, header.seq)
+            send = self._endpoint.send(np.frombuffer(body, dtype=np.uint8), tag=tag, force_tag=True)
+            task = asyncio.ensure_future(_race_close(send, self.conn, self._timeout_s, header.describe()))
+            self._sends.add(task)
+            task.add_done_callback(self._on_sent)
+
+    def _on_sent(self, task: asyncio.Future) -> None:
+        self._sends.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._send_error is None:
+            self._send_error = str(task.exception())
+            logger.warning("ucx body send failed: %s", self._send_error)
+            self.conn.close()
+
+    async def send_truncated(self, header: FrameHeader, body: memoryview) -> None:
+        """Fault injection: half a header, then end the stream."""
+        await self.conn.write(header.pack()[: HEADER_BYTES // 2])
+        self.conn.write_eof()
+
+    async def shutdown(self, timeout_s: float) -> None:
+        if self._sends:
+            await asyncio.wait(set(self._sends), timeout=timeout_s)
+        await super().shutdown(timeout_s)
+
+    def close(self) -> None:
+        super().close()
+        for task in list(self._sends):
+            _orphan(task)  # the endpoint abort below makes UCX fail them
+        if not self._endpoint.closed:
+            self._endpoint.abort()
+
+
+class UcxRecvLink(StreamRecvLink):
+    """Receiver end: a data body arrives as the tag message matching its header.
+
+    A pump task reads headers as they come and posts each body's tag receive at once, into a
+    buffer from a small free list, so bodies stream in while earlier frames are processed;
+    frames still reach the consumer in order. Outstanding buffers are bounded by the sender's
+    in-flight credit.
+    """
+
+    MAX_FREE_BUFFERS = 32
+
+    def __init__(self, conn: FrameConnection, tag_prefix: int, config: TransferConfig):
+        super().__init__(conn)
+        self._tag_prefix = tag_prefix
+        self._config = config
+        self._ready: asyncio.Queue[tuple[Frame | LinkClosed, asyncio.Future | None]] = asyncio.Queue()
+        self._bodies: dict[int, tuple[np.ndarray, asyncio.Future]] = {}  # seq -> (buffer, posted recv)
+        self._free: list[np.ndarray] = []
+        self._pump = asyncio.ensure_future(self._pump_headers())
+
+    async def _pump_headers(self) -> None:
+        while True:
+            item = await self.conn.next_frame()
+            if isinstance(item, Frame) and self._has_ucx_body(item):
+                header = item.header
+                buffer = self._take(header.body_bytes)
+                recv = asyncio.ensure_future(
+                    ucxx.recv(buffer[: header.body_bytes], tag=_tag(self._tag_prefix, header.seq))
+                )
+                self._bodies[header.seq] = (buffer, recv)
+            self._ready.put_nowait(item)
+            if isinstance(item, LinkClosed):
+                return
+
+    def _has_ucx_body(self, frame: Frame) -> bool:
+        header = frame.header
+        return frame.inline is None and header.kind.is_data and 0 < header.body_bytes <= self._config.max_frame_bytes
+
+    def _take(self, nbytes: int) -> np.ndarray:
+        for i, buffer in enumerate(self._free):
+            if buffer.nbytes >= nbytes:
+                return self._free.pop(i)
+        return np.empty(nbytes, dtype=np.uint8)
+
+    async def next_frame(self) -> Frame | LinkClosed:
+        return await self._ready.get()
+
+    async def read_body(self, frame: Frame) -> memoryview:
+        header = frame.header
+        if not self._has_ucx_body(frame):
+            if header.kind.is_data and header.body_bytes > self._config.max_frame_bytes:
+                raise FrameError(f"{header.describe()}: {header.body_bytes} bytes exceed max_frame_bytes")
+            return await super().read_body(frame)
+        buffer, recv = self._bodies[header.seq]
+        await _race_close(recv, self.conn, self._config.deadline_s, f"body of {header.describe()}")
+        return memoryview(buffer[: header.body_bytes])
+
+    def release(self, frame: Frame) -> None:
+        super().release(frame)
+        entry = self._bodies.pop(frame.header.seq, None) if frame.header.kind.is_data else None
+        if entry is None:
+            return
+        buffer, recv = entry
+        # Only a completed receive's buffer may be reused; a pending one could still be written.
+        if not recv.done():
+            _orphan(recv)
+        elif len(self._free) < self.MAX_FREE_BUFFERS:
+            self._free.append(buffer)
+
+    def close(self) -> None:
+        self._pump.cancel()
+        for _, recv in self._bodies.values():
+            _orphan(recv)
+        self._bodies.clear()
+        super().close()
+
+
+class UcxBackend:
+    scheme = "ucx"
+
+    async def listen(self, config: TransferConfig, on_link: Callable[[RecvLink], Awaitable[None]]) -> StreamListener:
+        ensure_ucx(config)
+        ucxx.continuous_ucx_progress()  # tag receives here have no endpoint to drive progress
+        worker_address = bytes(ucxx.get_worker_address())
+        tasks: set[asyncio.Task] = set()
+
+        async def make_link(conn: FrameConnection) -> RecvLink:
+            prefix = next(_tag_prefixes)
+            payload = _HELLO.pack(prefix) + worker_address
+            conn.transport.writelines((control_header(Kind.HELLO, "", payload=payload).pack(), payload))
+            return UcxRecvLink(conn, prefix, config)
+
+        factory = serve_factory(config, make_link, on_link, tasks)
+        server = await asyncio.get_running_loop().create_server(factory, config.bind_host, 0)
+        host, port = server.sockets[0].getsockname()[:2]
+        return StreamListener(str(Address("ucx", host=host, port=port)), server, tasks)
+
+    async def connect(self, address: Address, config: TransferConfig) -> UcxSendLink:
+        ensure_ucx(config)
+        conn = await open_tcp(address, config)
+        try:
+            async with asyncio.timeout(config.connect_timeout_s):
+                hello = await conn.next_frame()
+                if isinstance(hello, LinkClosed) or hello.header.kind != Kind.HELLO or hello.inline is None:
+                    raise TransferError(f"ucx handshake with {address} failed: {hello}")
+                payload = bytes(hello.inline)
+                conn.release()
+                (prefix,) = _HELLO.unpack_from(payload)
+                worker = ucxx.get_ucx_address_from_buffer(payload[_HELLO.size :])
+                endpoint = await ucxx.create_endpoint_from_worker_address(worker)
+        except (TimeoutError, UCXError) as exc:
+            conn.close()
+            raise TransferError(f"ucx handshake with {address} failed: {exc!r}") from exc
+        return UcxSendLink(conn, endpoint, prefix, config)

@@ -1,0 +1,267 @@
+"""Frames over a byte stream (TCP or unix socket), shared by every backend.
+
+``FrameConnection`` is an ``asyncio.BufferedProtocol``: the kernel copies a header straight
+into a fixed 160-byte buffer and an inline body straight into a reusable staging buffer (no
+``readexactly`` copies, no per-byte Python). While the consumer holds an inline body the
+connection stops reading, so one staging buffer per connection suffices. Writes go out with
+``writelines([header, body])`` from the caller's memoryview (zero-copy) and wait on the
+transport's flow control. ``StreamSendLink`` / ``StreamRecvLink`` implement the link
+protocols of ``base.py`` with inline bodies; shm and ucx override only the body path.
+
+Everything here runs on the I/O loop thread; nothing is locked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+
+from kvstore.transfer.base import Frame, LinkClosed
+from kvstore.transfer.frames import (
+    FLAG_INLINE_BODY,
+    HEADER_BYTES,
+    FrameError,
+    FrameHeader,
+    Kind,
+    control_header,
+    unpack_header,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class FrameConnection(asyncio.BufferedProtocol):
+    """One stream carrying frames both ways; incoming frames queue for ``next_frame``."""
+
+    def __init__(self, max_frame_bytes: int, on_connected: Callable[[FrameConnection], None] | None = None):
+        self._max_frame_bytes = max_frame_bytes
+        self._on_connected = on_connected
+        self._frames: asyncio.Queue[Frame | LinkClosed] = asyncio.Queue()
+        self._header_buf = bytearray(HEADER_BYTES)
+        self._header_view = memoryview(self._header_buf)
+        self._staging = bytearray(0)
+        self._body_view = memoryview(self._staging)
+        self._body_header: FrameHeader | None = None  # set while a body is being read
+        self._filled_bytes = 0
+        self._holding = False
+        self._write_ready = asyncio.Event()
+        self._write_ready.set()
+        self.made = asyncio.Event()  # set by connection_made, which may run after create_connection returns
+        self.closed = asyncio.Event()
+        self.closed_reason = ""
+        self._eof_sent = False
+        self.transport: asyncio.Transport | None = None
+
+    # ---- incoming --------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # uvloop's transports do not subclass asyncio.Transport
+        self.made.set()
+        if self._on_connected is not None:
+            self._on_connected(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        view = self._header_view if self._body_header is None else self._body_view
+        return view[self._filled_bytes :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._filled_bytes += nbytes
+        if self._body_header is None:
+            if self._filled_bytes == HEADER_BYTES:
+                self._filled_bytes = 0
+                self._on_header()
+        elif self._filled_bytes == len(self._body_view):
+            frame = Frame(self._body_header, self._body_view)
+            self._body_header = None
+            self._filled_bytes = 0
+            self._holding = True
+            self.transport.pause_reading()
+            self._frames.put_nowait(frame)
+
+    def _on_header(self) -> None:
+        try:
+            header = unpack_header(self._header_buf)
+        except FrameError as exc:
+            self._fail(f"protocol error: {exc}")
+            return
+        if not header.inline_body:
+            self._frames.put_nowait(Frame(header, None))
+            return
+        if header.body_bytes > self._max_frame_bytes:
+            self._fail(
+                f"{header.describe()}: body of {header.body_bytes} bytes exceeds max_frame_bytes "
+                f"{self._max_frame_bytes}"
+            )
+            return
+        if len(self._staging) < header.body_bytes:
+            # A new buffer, not a resize: views of the old one may still be alive.
+            self._staging = bytearray(min(self._max_frame_bytes, max(header.body_bytes, 2 * len(self._staging))))
+        self._body_view = memoryview(self._staging)[: header.body_bytes]
+        self._body_header = header
+
+    def release(self) -> None:
+        """The consumer is done with the last inline body; resume reading."""
+        if self._holding:
+            self._holding = False
+            if not self.closed.is_set():
+                self.transport.resume_reading()
+
+    async def next_frame(self) -> Frame | LinkClosed:
+        return await self._frames.get()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.closed.is_set():
+            return
+        if self._body_header is not None:
+            reason = (
+                f"truncated frame: connection closed after {self._filled_bytes} of "
+                f"{self._body_header.body_bytes} body bytes of {self._body_header.describe()}"
+            )
+        elif self._filled_bytes:
+            got = self._filled_bytes
+            reason = f"truncated frame: connection closed after {got} of {HEADER_BYTES} header bytes"
+        else:
+            reason = "connection closed by peer" + (f" ({exc})" if exc else "")
+        self._mark_closed(reason, self._body_header)
+
+    def _fail(self, reason: str) -> None:
+        logger.warning("closing transfer connection: %s", reason)
+        self._mark_closed(reason, None)
+        self.transport.abort()
+
+    def _mark_closed(self, reason: str, partial: FrameHeader | None) -> None:
+        self.closed_reason = reason
+        self.closed.set()
+        self._write_ready.set()
+        self._frames.put_nowait(LinkClosed(reason, partial))
+
+    # ---- outgoing --------------------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        self._write_ready.clear()
+
+    def resume_writing(self) -> None:
+        self._write_ready.set()
+
+    async def write(self, *parts: bytes | memoryview) -> None:
+        """Queue ``parts`` on the transport and wait while its write buffer is over the high mark."""
+        if self.transport is None:
+            await self.made.wait()
+        if self.closed.is_set() or self.transport.is_closing():
+            raise ConnectionError(self.closed_reason or "connection is closing")
+        self.transport.writelines(parts)
+        await self._write_ready.wait()
+        if self.closed.is_set():
+            raise ConnectionError(self.closed_reason)
+
+    def write_eof(self) -> None:
+        """Half-close: no more frames from us; replies can still arrive."""
+        transport = self.transport
+        if transport is not None and not transport.is_closing() and not self._eof_sent:
+            self._eof_sent = True
+            transport.write_eof()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+
+def with_inline(header: FrameHeader) -> FrameHeader:
+    return replace(header, flags=header.flags | FLAG_INLINE_BODY)
+
+
+class StreamSendLink:
+    """Sender end of a stream link; bodies ride inline (the TCP backend as is)."""
+
+    def __init__(self, conn: FrameConnection):
+        self.conn = conn
+
+    async def send_data(self, header: FrameHeader, body: memoryview) -> None:
+        await self.conn.write(with_inline(header).pack(), body)
+
+    async def send_control(self, header: FrameHeader, payload: bytes) -> None:
+        await self.conn.write(header.pack(), payload)
+
+    async def send_truncated(self, header: FrameHeader, body: memoryview) -> None:
+        """Fault injection: half the body, then end the stream (FIN, not RST: the bytes arrive)."""
+        await self.conn.write(with_inline(header).pack(), body[: len(body) // 2])
+        self.conn.write_eof()
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Graceful close: end our stream, wait for the peer to close its side, then close.
+
+        Closing with unread replies in the socket would send an RST, and an RST can destroy
+        frames the receiver has not read yet; the half-close lets it consume everything first.
+        """
+        self.conn.write_eof()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.conn.closed.wait()
+        except TimeoutError:
+            logger.warning("transfer peer did not close within %.1f s; closing anyway", timeout_s)
+        self.close()
+
+    async def next_reply(self) -> Frame | LinkClosed:
+        """Next reply frame; its inline payload is copied so the stream can move on."""
+        item = await self.conn.next_frame()
+        if isinstance(item, Frame) and item.inline is not None:
+            item = Frame(item.header, memoryview(bytes(item.inline)))
+            self.conn.release()
+        return item
+
+    def on_ack(self, seq: int) -> None:
+        """The receiver consumed frame ``seq``; inline bodies hold no sender resources."""
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class StreamRecvLink:
+    """Receiver end of a stream link; bodies ride inline (the TCP backend as is)."""
+
+    def __init__(self, conn: FrameConnection):
+        self.conn = conn
+        self._ack_seq = 0  # highest consumed data frame not yet acknowledged; 0 = none pending
+
+    async def next_frame(self) -> Frame | LinkClosed:
+        return await self.conn.next_frame()
+
+    def ack(self, seq: int) -> None:
+        """Acknowledge every data frame up to ``seq`` (cumulative: frames are consumed in order).
+
+        Coalesced: one ACK goes out when the loop next runs, or before any other reply, so a
+        burst of queued frames costs one write and one wakeup of the sender.
+        """
+        if not self._ack_seq:
+            asyncio.get_running_loop().call_soon(self._flush_ack)
+        self._ack_seq = seq
+
+    def _flush_ack(self) -> None:
+        if self._ack_seq:
+            seq, self._ack_seq = self._ack_seq, 0
+            self._write(control_header(Kind.ACK, "", seq=seq), b"")
+
+    async def read_body(self, frame: Frame) -> memoryview:
+        if frame.header.body_bytes and frame.inline is None:
+            raise FrameError(f"{frame.header.describe()}: expected an inline body on this link")
+        return frame.inline if frame.inline is not None else memoryview(b"")
+
+    def release(self, frame: Frame) -> None:
+        if frame.inline is not None:
+            self.conn.release()
+
+    def reply(self, header: FrameHeader, payload: bytes = b"") -> None:
+        self._flush_ack()
+        self._write(header, payload)
+
+    def _write(self, header: FrameHeader, payload: bytes) -> None:
+        if not self.conn.closed.is_set() and not self.conn.transport.is_closing():
+            self.conn.transport.writelines((header.pack(), payload))
+
+    def close(self) -> None:
+        self.conn.close()

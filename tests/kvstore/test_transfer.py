@@ -1,0 +1,423 @@
+"""Transfer engine tests.
+
+Mechanism tests pin the frame layout, the receiver's bookkeeping and the shm ring at tiny
+sizes. Contract tests run over every available backend (shm, tcp, and ucx when ucxx imports)
+with the two ends in different processes (``transfer_peer.py``): byte-exact layerwise
+delivery, corruption, truncation, a killed peer on either side, backpressure, deadlines and
+the rejection of unexpected requests. Child processes are always killed at teardown, and every
+receiver must end with no pending request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.transfer import (
+    Expected,
+    Kind,
+    Receiver,
+    TransferConfig,
+    TransferError,
+    connect,
+    pick_address,
+    ucx_unavailable_reason,
+)
+from kvstore.transfer.frames import (
+    HEADER_BYTES,
+    ChecksumAlgo,
+    DType,
+    FrameError,
+    FrameHeader,
+    unpack_header,
+)
+from kvstore.transfer.shm import ShmRing
+from kvstore.transfer.stream import RequestTable
+from tests.kvstore.transfer_peer import (
+    LAYOUT,
+    digest,
+    make_destination,
+    received,
+    send_chunks,
+    send_states,
+    source,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PEER_SCRIPT = Path(__file__).with_name("transfer_peer.py")
+EVENT_TIMEOUT_S = 30.0
+_UCX_SKIP = ucx_unavailable_reason()
+BACKENDS = [
+    "shm",
+    "tcp",
+    pytest.param("ucx", marks=pytest.mark.skipif(_UCX_SKIP is not None, reason=f"ucx: {_UCX_SKIP}")),
+]
+CHUNK_BYTES = LAYOUT.chunk_tokens * LAYOUT.latent_dim * 4
+
+
+# ---- mechanism: frames, bookkeeping, ring ---------------------------------------------------
+
+
+def test_header_round_trips_and_rejects_damage():
+    header = FrameHeader(
+        kind=Kind.MLA_ROWS,
+        request_id="req-é",
+        seq=7,
+        layer=3,
+        token_start=32,
+        token_end=64,
+        dtype=DType.FLOAT32,
+        shape=(32, 64),
+        body_bytes=32 * 64 * 4,
+        aux=4096,
+        body_checksum=0xDEADBEEF,
+        checksum_algo=ChecksumAlgo.CRC32,
+    )
+    packed = header.pack()
+    assert len(packed) == HEADER_BYTES
+    assert unpack_header(packed) == header
+    damaged = bytearray(packed)
+    damaged[20] ^= 1
+    with pytest.raises(FrameError, match="header checksum mismatch"):
+        unpack_header(bytes(damaged))
+    with pytest.raises(FrameError, match="bad frame magic"):
+        unpack_header(b"XXXX" + packed[4:])
+    wrong_len = FrameHeader(**{**header.__dict__, "body_bytes": 5})
+    with pytest.raises(FrameError, match="body_bytes 5"):
+        unpack_header(wrong_len.pack())
+
+
+def _rows_header(rid: str, layer: int, t0: int, t1: int, width: int = 4) -> FrameHeader:
+    return FrameHeader(
+        kind=Kind.MLA_ROWS,
+        request_id=rid,
+        layer=layer,
+        token_start=t0,
+        token_end=t1,
+        dtype=DType.FLOAT32,
+        shape=(t1 - t0, width),
+        body_bytes=(t1 - t0) * width * 4,
+    )
+
+
+def test_request_table_tracks_coverage_and_names_what_is_missing():
+    table = RequestTable()
+    expected = Expected(mla_layers=(0, 1), token_start=0, token_end=8, mla_row_shape=(4,))
+    table.add("r", sink=None, expected=expected, deadline_s=30)
+    for t0, t1 in ((0, 4), (4, 8)):
+        sink, reason = table.admit(_rows_header("r", 0, t0, t1), conn_id=1)
+        assert reason is None
+        table.record(_rows_header("r", 0, t0, t1))
+    table.wait_layer("r", 0, timeout_s=0)
+    assert table.admit(_rows_header("r", 1, 0, 4), conn_id=1)[1] is None
+    table.record(_rows_header("r", 1, 0, 4))
+    _, reason = table.admit(_rows_header("r", 1, 2, 6), conn_id=1)
+    assert "overlap" in reason
+    table.check_integrity()
+    with pytest.raises(TransferError, match="overlap"):
+        table.wait_complete("r", timeout_s=0)
+    table.add("s", sink=None, expected=expected, deadline_s=30)
+    table.admit(_rows_header("s", 0, 0, 8), conn_id=2)
+    table.record(_rows_header("s", 0, 0, 8))
+    reason = table.finish("s", num_units=2, conn_id=2)
+    assert "truncated transfer" in reason and "layer 1 has tokens []" in reason
+    with pytest.raises(TransferError, match="truncated transfer"):
+        table.wait_complete("s", timeout_s=0)
+    assert len(table) == 0
+
+
+def test_request_table_rejects_misfits_and_unknown_requests():
+    table = RequestTable()
+    table.add("r", sink=None, expected=Expected(mla_layers=(0,), token_end=8, mla_row_shape=(4,)), deadline_s=30)
+    assert "not expected" in table.admit(_rows_header("nobody", 0, 0, 4), conn_id=1)[1]
+    assert "destination expects float32 (4, 4)" in table.admit(_rows_header("r", 0, 0, 4, width=5), conn_id=1)[1]
+    table.cancel("r")
+    assert len(table) == 0
+
+
+def test_shm_ring_places_fifo_and_wraps():
+    ring = ShmRing(100)
+    try:
+
+        async def scenario() -> list[int]:
+            offsets = [await ring.alloc(1, 40), await ring.alloc(2, 40)]
+            assert ring._try_place(30) is None  # 20 left at the end, nothing freed at the start
+            ring.release(1)
+            offsets.append(await ring.alloc(3, 30))  # wraps to 0, below the tail at 40
+            return offsets
+
+        assert asyncio.run(scenario()) == [0, 40, 0]
+    finally:
+        ring.unlink()
+
+
+def test_pick_address_prefers_shm_on_the_same_host():
+    offered = ["tcp://127.0.0.1:5000", "shm://abc", "ucx://127.0.0.1:6000"]
+    assert pick_address("hostA", "hostA", offered) == "shm://abc"
+    assert pick_address("hostA", "hostB", offered) == "tcp://127.0.0.1:5000"
+    assert pick_address("hostA", "hostB", offered, remote_preference=("ucx", "tcp")).startswith("ucx://")
+    with pytest.raises(ValueError, match="no usable address"):
+        pick_address("hostA", "hostB", ["shm://abc"])
+
+
+# ---- contract tests over every backend, across processes ------------------------------------
+
+
+class Peer:
+    """A ``transfer_peer.py`` child; its JSON lines arrive on ``events``. Killed at teardown."""
+
+    def __init__(self, *args: str):
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - lives as long as the child
+        python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": python_path}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER_SCRIPT), *args],
+            cwd=REPO_ROOT,
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+        )
+        self.events: queue.Queue[dict] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self.events.put(json.loads(line))
+
+    def event(self, name: str) -> dict:
+        try:
+            event = self.events.get(timeout=EVENT_TIMEOUT_S)
+        except queue.Empty:
+            self._stderr.seek(0)
+            pytest.fail(f"peer sent no {name!r} event; stderr:\n{self._stderr.read()[-4000:]}")
+        assert event["event"] == name, event
+        return event
+
+    def tell(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def close(self) -> None:
+        self.kill()
+        self._stderr.close()
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def spawn():
+    peers: list[Peer] = []
+
+    def start(*args: str) -> Peer:
+        peers.append(Peer(*args))
+        return peers[-1]
+
+    yield start
+    for peer in peers:
+        peer.close()
+
+
+@pytest.fixture
+def rx(backend):
+    receiver = Receiver(TransferConfig(deadline_s=20.0), backends=backend)
+    yield receiver
+    receiver.check_integrity()
+    assert receiver.num_pending == 0, "a test left a request pending in the receiver"
+    receiver.close()
+
+
+def _send_args(rx: Receiver, rid: str, *extra: str) -> list[str]:
+    return ["send", "--address", rx.address, "--rid", rid, *extra]
+
+
+def test_layerwise_transfer_lands_byte_exact(rx, spawn):
+    sink, expected = make_destination()
+    rx.expect("req-1", sink, expected)
+    peer = spawn(*_send_args(rx, "req-1", "--seed", "1"))
+    rx.wait_layer("req-1", LAYOUT.mla_layers[0])
+    rx.wait_layer("req-1", LAYOUT.kda_layers[0])
+    result = rx.wait_complete("req-1")
+    assert peer.event("done")["error"] is None
+    assert digest(received(sink)) == digest(source(1))
+    assert result.num_frames == len(LAYOUT.chunks) * len(LAYOUT.mla_layers) + 2 * len(LAYOUT.kda_layers)
+    unused_pages = sorted(set(range(sink.pool.shape[1])) - set(sink.page_table.tolist()))
+    assert torch.isnan(sink.pool[:, unused_pages]).all(), "rows landed outside the request's pages"
+
+
+def test_corrupted_chunk_fails_with_checksum_mismatch(rx, spawn):
+    sink, expected = make_destination()
+    rx.expect("req-c", sink, expected)
+    peer = spawn(*_send_args(rx, "req-c", "--corrupt-seq", "2"))
+    with pytest.raises(TransferError, match="checksum mismatch in MLA_ROWS request 'req-c' seq 2"):
+        rx.wait_complete("req-c")
+    assert "checksum mismatch" in peer.event("done")["error"]
+
+
+def test_truncated_frame_fails_clearly(rx, spawn):
+    sink, expected = make_destination()
+    rx.expect("req-t", sink, expected)
+    peer = spawn(*_send_args(rx, "req-t", "--truncate-seq", "3"))
+    with pytest.raises(TransferError, match="truncated frame: connection closed after"):
+        rx.wait_complete("req-t")
+    assert "truncated" in peer.event("done")["error"]
+
+
+def test_killed_sender_fails_request_and_receiver_keeps_serving(rx, spawn):
+    sink, expected = make_destination()
+    rx.expect("req-k", sink, expected)
+    peer = spawn(*_send_args(rx, "req-k", "--scenario", "hold"))
+    peer.event("ready")
+    peer.kill()
+    with pytest.raises(TransferError, match="peer connection lost"):
+        rx.wait_complete("req-k")
+    sink2, expected2 = make_destination()
+    rx.expect("req-after", sink2, expected2)
+    follow_up = spawn(*_send_args(rx, "req-after", "--seed", "2"))
+    rx.wait_complete("req-after")
+    assert follow_up.event("done")["error"] is None
+    assert digest(received(sink2)) == digest(source(2))
+
+
+def test_deadline_fails_the_waiting_receiver_and_tells_the_sender(rx, spawn):
+    sink, expected = make_destination()
+    rx.expect("req-never", sink, expected, deadline_s=0.2)
+    with pytest.raises(TransferError, match="missed its deadline"):
+        rx.wait_complete("req-never")
+    rx.expect("req-late", *make_destination(), deadline_s=1.0)
+    peer = spawn(*_send_args(rx, "req-late", "--scenario", "hold"))
+    peer.event("ready")
+    with pytest.raises(TransferError, match="missed its deadline of 1 s; missing: layer 3 has tokens"):
+        rx.wait_complete("req-late")
+    peer.tell("go")
+    assert peer.event("done")["error"] is not None
+
+
+def test_unexpected_request_is_rejected_back_to_the_sender(rx, spawn):
+    peer = spawn(*_send_args(rx, "stranger"))
+    assert "'stranger' is not expected by this receiver" in peer.event("done")["error"]
+
+
+def test_backpressure_bounds_inflight_bytes(backend, spawn):
+    receiver = spawn("receive", "--backend", backend, "--rids", "req-bp", "--sink-delay-s", "0.003")
+    address = receiver.event("listening")["address"]
+    bound_bytes = 2 * CHUNK_BYTES
+    tx = connect(address, TransferConfig(deadline_s=20.0, max_inflight_bytes=bound_bytes, max_frame_bytes=CHUNK_BYTES))
+    try:
+        data = source(3)
+        send_chunks(tx, "req-bp", data, LAYOUT.chunks)
+        send_states(tx, "req-bp", data)
+        tx.finish("req-bp", LAYOUT.num_units)
+        stats = tx.stats()
+    finally:
+        tx.close()
+    assert 0 < stats.inflight_high_water_bytes <= bound_bytes
+    assert stats.num_backpressure_waits > 0, "the slow sink never made the sender wait"
+    result = receiver.event("result")
+    assert result["error"] is None and result["digest"] == digest(source(3))
+
+
+def test_killed_receiver_fails_the_sender(backend, spawn):
+    receiver = spawn("receive", "--backend", backend, "--rids", "req-rk", "--sink-delay-s", "0.05")
+    address = receiver.event("listening")["address"]
+    tx = connect(
+        address,
+        TransferConfig(deadline_s=10.0, max_inflight_bytes=4 * CHUNK_BYTES, max_frame_bytes=CHUNK_BYTES),
+    )
+    try:
+        data = source(4)
+        send_chunks(tx, "req-rk", data, LAYOUT.chunks[:1])
+        receiver.kill()
+        with pytest.raises(TransferError, match="connection|lost|closed"):
+            send_chunks(tx, "req-rk", data, LAYOUT.chunks[1:])
+            send_states(tx, "req-rk", data)
+            tx.finish("req-rk", LAYOUT.num_units)
+    finally:
+        tx.close()
+
+
+def test_blob_transfer_round_trips(rx):
+    from kvstore.transfer import BlobSink
+
+    blobs = [
+        np.random.default_rng(i).integers(0, 256, size=n, dtype=np.uint8).tobytes()
+        for i, n in enumerate((100_000, 1 << 20))
+    ]
+    sink = BlobSink()
+    rx.expect("pull", sink, Expected(num_blobs=len(blobs)))
+    tx = connect(rx.address, TransferConfig(max_frame_bytes=2 << 20, max_inflight_bytes=4 << 20))
+    try:
+        for index, blob in enumerate(blobs):
+            tx.send("pull", index, Kind.BLOB, (0, 0), blob)
+        tx.finish("pull", len(blobs))
+    finally:
+        tx.close()
+    rx.wait_complete("pull")
+    assert [sink.blobs[i] for i in range(len(blobs))] == blobs
+
+
+def test_bf16_rows_land_and_a_rejecting_sink_fails_the_request(rx):
+    from kvstore.transfer import PagePoolSink
+
+    rows = torch.randn(8, 16).to(torch.bfloat16)
+    pool = torch.zeros(1, 2, 4, 16, dtype=torch.bfloat16)
+    sink = PagePoolSink(pool, torch.tensor([1, 0]), {5: 0})
+    expected = Expected(mla_layers=(5,), token_start=0, token_end=8, mla_row_shape=(16,), mla_dtype=torch.bfloat16)
+    rx.expect("bf16", sink, expected)
+    rx.expect("refused", PagePoolSink(pool.clone(), torch.tensor([0, 1]), {}), expected)
+    tx = connect(rx.address)
+    try:
+        tx.send("bf16", 5, Kind.MLA_ROWS, (0, 8), rows)
+        tx.finish("bf16", 1)
+        tx.send("refused", 5, Kind.MLA_ROWS, (0, 8), rows)
+        with pytest.raises(TransferError, match="destination rejected .* no pool slot for MLA layer 5"):
+            tx.finish("refused", 1)
+    finally:
+        tx.close()
+    rx.wait_complete("bf16")
+    assert torch.equal(sink.gather_rows(5, 0, 8), rows)
+    with pytest.raises(TransferError, match="no pool slot"):
+        rx.wait_complete("refused")
+
+
+def test_abort_and_cancel_reach_the_other_side(rx):
+    sink, expected = make_destination()
+    rx.expect("aborted", sink, expected)
+    rx.expect("cancelled", *make_destination())
+    data = source(5)
+    tx = connect(rx.address)
+    try:
+        send_chunks(tx, "aborted", data, LAYOUT.chunks[:1])
+        tx.abort("aborted", "prefill ran out of memory")
+        with pytest.raises(TransferError, match="aborted by the sender: prefill ran out of memory"):
+            rx.wait_complete("aborted")
+        send_chunks(tx, "cancelled", data, LAYOUT.chunks[:1])
+        tx.flush()
+        rx.cancel("cancelled")
+        with pytest.raises(TransferError, match="cancelled by the receiver"):
+            tx.finish("cancelled", LAYOUT.num_units)
+        assert not tx.failed, "a failed request must not fail the connection"
+    finally:
+        tx.close()
