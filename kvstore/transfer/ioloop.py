@@ -9,6 +9,7 @@ wide instance (``IoThread.shared()``) is enough; tests may create private ones.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import logging
 import threading
@@ -31,6 +32,9 @@ class IoThread:
         self.loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        # A daemon thread still inside the loop when the interpreter finalizes crashes the
+        # process (a uv timer fires and asks for the GIL of a dead interpreter): stop it first.
+        atexit.register(self.stop)
 
     @classmethod
     def shared(cls) -> IoThread:
