@@ -65,7 +65,10 @@ class DecodeService(igrpc.DecodeServicer):
             self.scheduler.release(rid)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer for {rid} failed: {e}")
         params = sampling_from_proto(request.sampling)
-        out = self.scheduler.start_decoding(rid, request.prompt_tokens, request.first_token, params)
+        try:
+            out = self.scheduler.start_decoding(rid, request.prompt_tokens, request.first_token, params)
+        except ValueError as e:  # the reservation expired or was released meanwhile
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         context.add_callback(lambda: self.scheduler.release(rid))
         while True:
             try:
