@@ -75,7 +75,7 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from deploy.grpc_server import serve_forever_note
+    from deploy.grpc_server import wait_for_signal
     from deploy.local import ClusterConfig, LocalCluster
 
     cluster = LocalCluster(ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, model=args.model,
@@ -89,7 +89,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             from deploy.demo import run_demo
 
             return run_demo(cluster.endpoint)
-        serve_forever_note()
+        wait_for_signal()
     return 0
 
 
@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from proto.build import build
+
+    build()  # the gRPC modules are build outputs: (re)generate them if missing or stale
     args, rest = build_parser().parse_known_args(argv)
     if args.command == "serve":
         return _cmd_serve(args, rest)

@@ -94,7 +94,7 @@ def channel(address: str) -> grpc.Channel:
                                                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
 
 
-def serve_forever_note() -> None:
+def wait_for_signal() -> None:
     """Blocks until SIGTERM/SIGINT (used by ``tidekv up`` in the foreground)."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
