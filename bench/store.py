@@ -69,6 +69,7 @@ class BenchConfig:
     shapes: tuple[PayloadShape, ...] = (
         PayloadShape("64KiB", num_layers=4, block_size=16, latent_dim=256, num_ops=200, num_ssd_ops=40),
         PayloadShape("1MiB", num_layers=8, block_size=64, latent_dim=512, num_ops=48, num_ssd_ops=16),
+        PayloadShape("16MiB", num_layers=8, block_size=512, latent_dim=1024, num_ops=6, num_ssd_ops=3),
     )
 
 
@@ -248,7 +249,7 @@ def mooncake_runner(scratch: Path) -> Iterator[Runner | str]:
     with _process(argv, rpc_port, "mooncake_master", scratch / "mooncake_master.log"):
         store = MooncakeDistributedStore()
         metadata = f"http://127.0.0.1:{http_port}/metadata"
-        rc = store.setup("127.0.0.1", metadata, 512 * MIB, 128 * MIB, "tcp", "", f"127.0.0.1:{rpc_port}")
+        rc = store.setup("127.0.0.1", metadata, 2048 * MIB, 128 * MIB, "tcp", "", f"127.0.0.1:{rpc_port}")
         if rc != 0:
             yield f"MooncakeDistributedStore.setup returned {rc}"
             return
