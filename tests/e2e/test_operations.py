@@ -1,14 +1,19 @@
-"""Operating a cluster: the index in a real Redis (surviving a Conductor restart), and
-SIGTERM draining in-flight requests."""
+"""Operating a cluster: the index in a real Redis (surviving a Conductor restart), SIGTERM
+draining in-flight requests, and workers dying mid-request."""
 
 import signal
 import threading
+import time
 
 import pytest
 
 import engine
 from conductor.client import Client
+from deploy.grpc_server import channel
 from deploy.local import ClusterConfig, LocalCluster
+from proto import inference_pb2 as pb
+from proto import internal_pb2 as ipb
+from proto import internal_pb2_grpc as igrpc
 from tests.e2e.conftest import DECODE_ARGS, WORKER_ARGS
 from tests.e2e.helpers import prompt, run_all
 
@@ -64,3 +69,50 @@ def test_sigterm_drains_in_flight_requests(reference, target):
         client.close()
     assert len(finish) == 1
     assert tokens == engine.generate(reference, ids, 60)
+
+
+def test_decode_worker_killed_mid_stream_ends_request_with_failure(reference):
+    """A decode worker SIGKILLed while streaming: the client gets exactly one terminal message,
+    FAILED with a reason (no hang, no made-up tokens); the tokens it did get are correct."""
+    config = ClusterConfig(num_prefill=1, num_decode=1, prefill_args=WORKER_ARGS, decode_args=DECODE_ARGS)
+    with LocalCluster(config) as cluster:
+        ids = prompt(40, 700)
+        client = Client(cluster.endpoint)
+        tokens: list[int] = []
+        terminal = []
+        for msg in client.stub.Generate(Client.request(ids, max_tokens=500), timeout=120):
+            tokens.extend(msg.token_ids)
+            if len(tokens) >= 3 and cluster.procs["decode-0"].poll() is None:
+                cluster.procs["decode-0"].kill()
+            if msg.finish_reason:
+                terminal.append(msg)
+        client.close()
+    assert len(terminal) == 1
+    assert terminal[0].finish_reason == pb.FINISH_REASON_FAILED and "decode" in terminal[0].error
+    assert 3 <= len(tokens) < 500
+    assert tokens == engine.generate(reference, ids, len(tokens))
+
+
+def test_prefill_worker_killed_mid_prefill_fails_request_and_frees_decode(reference):
+    """A prefill worker SIGKILLed during a long prefill: one terminal FAILED message, and the
+    decode worker frees the reservation whose KV never completed."""
+    config = ClusterConfig(num_prefill=1, num_decode=1, prefill_args=WORKER_ARGS, decode_args=DECODE_ARGS)
+    with LocalCluster(config) as cluster:
+        infos = {w.worker_id: w for w in cluster.workers().workers}
+        prefill = igrpc.PrefillStub(channel(infos["prefill-0"].rpc_address))
+        decode = igrpc.DecodeStub(channel(infos["decode-0"].rpc_address))
+        client = Client(cluster.endpoint)
+        call = client.stub.Generate(Client.request(prompt(3000, 800), max_tokens=5), timeout=120)
+        deadline = time.monotonic() + 60
+        while prefill.Stats(ipb.StatsRequest(), timeout=5).num_live_requests == 0:
+            assert time.monotonic() < deadline, "the prefill never started"
+            time.sleep(0.02)
+        cluster.procs["prefill-0"].kill()
+        msgs = list(call)
+        assert len(msgs) == 1 and msgs[0].finish_reason == pb.FINISH_REASON_FAILED
+        assert "prefill" in msgs[0].error
+        while decode.Stats(ipb.StatsRequest(), timeout=5).num_live_requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = decode.Stats(ipb.StatsRequest(), timeout=5)
+        assert stats.num_live_requests == 0 and stats.num_free_pages == stats.num_pages_total
+        client.close()
