@@ -28,7 +28,7 @@ import torch
 from engine import HybridModel, SamplingParams, SequenceCache, sample
 from kvstore.hitrule import SnapshotPolicy
 from kvstore.payload import BlockPayload, PayloadError, decode
-from kvstore.store import StoreEvent, TieredStore
+from kvstore.store import TieredStore
 from kvstore.transfer.base import TransferError
 from kvstore.transfer.frames import Kind
 from prefill_worker.blocks import load_blocks, payload_of_block
@@ -188,7 +188,3 @@ class PrefillRunner:
         for i in range(cached // bs, len(job.block_keys)):
             if not self.store.contains(job.block_keys[i]):
                 self.store.put(job.block_keys[i], payload_of_block(self.model, self.cache, seq, i))
-
-
-def event_to_tuple(e: StoreEvent) -> tuple[bytes, int, bool]:
-    return e.key, (-1 if e.kind == "removed" else int(e.tier)), e.has_snapshot
