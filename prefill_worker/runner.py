@@ -97,10 +97,15 @@ class PrefillRunner:
 
     def drain(self, timeout_s: float) -> None:
         """Refuses new prefills and waits (up to timeout_s) for the queued and running ones."""
+        until = time.monotonic() + timeout_s
         with self._count_lock:
             self.draining = True
-        if self._engine_lock.acquire(timeout=timeout_s):
+        while self._engine_lock.acquire(timeout=max(0.0, until - time.monotonic())):
             self._engine_lock.release()
+            with self._count_lock:
+                if self._waiting == 0:
+                    return
+            time.sleep(0.01)  # let a queued prefill take the lock
 
     @torch.inference_mode()
     def _run_locked(self, job: PrefillJob, is_cancelled: Callable[[], bool]) -> PrefillOutcome:
