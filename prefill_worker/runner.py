@@ -100,7 +100,7 @@ class PrefillRunner:
         until = time.monotonic() + timeout_s
         with self._count_lock:
             self.draining = True
-        while self._engine_lock.acquire(timeout=max(0.0, until - time.monotonic())):
+        while time.monotonic() < until and self._engine_lock.acquire(timeout=max(0.0, until - time.monotonic())):
             self._engine_lock.release()
             with self._count_lock:
                 if self._waiting == 0:
