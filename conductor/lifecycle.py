@@ -2,7 +2,9 @@
 
 ``RequestLife.run`` is a generator of ``GenerateResponse`` messages: route, reserve on the
 decode worker, prefill (which streams KV to the decode worker and returns the first token),
-then forward the decode worker's tokens. It yields exactly one terminal message (finish
+then forward the decode worker's tokens. A prefill that fails before anything reached the
+client (a worker died, a transfer failed, a worker was full) is routed again once, away from
+the workers involved, and recomputed. It yields exactly one terminal message (finish
 reason set) unless the request is refused before any work (the caller aborts with a status).
 Cancellation (client gone) cancels the in-flight worker RPCs and releases the reservation.
 """
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import grpc
 
 from conductor.cluster import Cluster
-from conductor.routing import Policy, Rejection, RouteDecision, RouteRequest
+from conductor.routing import ClusterSnapshot, Policy, Rejection, RouteDecision, RouteRequest
 from conductor.validation import ValidRequest
 from engine.tokenizer import Tokenizer
 from kvstore.blocks import chain_keys
@@ -27,6 +29,9 @@ from proto import inference_pb2 as pb
 from proto import internal_pb2 as ipb
 
 log = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 2
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class Refused(Exception):
@@ -76,17 +81,28 @@ class RequestLife:
 
     # ---- the lifecycle ----------------------------------------------------------------------
     def run(self) -> Iterator[pb.GenerateResponse]:
-        decision, keys = self._route()
-        decode_ep = self.cluster.endpoint(decision.decode_worker)
-        reserve = self._reserve(decode_ep.decode)
-        self._on_cancel(lambda: _quiet(decode_ep.decode.Release, ipb.ReleaseRequest(request_id=self.request_id)))
-        try:
-            prefill = self._prefill(decision, keys, reserve.transfer_address)
-        except grpc.RpcError as e:
-            _quiet(decode_ep.decode.Release, ipb.ReleaseRequest(request_id=self.request_id))
-            yield self._terminal(pb.FINISH_REASON_CANCELLED if self.cancelled else pb.FINISH_REASON_FAILED, [],
-                                 0, error=f"prefill on {decision.prefill_worker} failed: {e.details()}")
-            return
+        avoid: set[str] = set()
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            decision, keys = self._route(avoid)
+            decode_ep = self.cluster.endpoint(decision.decode_worker)
+            reserve = self._reserve(decode_ep.decode)
+            release = _releaser(decode_ep.decode, self.request_id)
+            self._on_cancel(release)
+            try:
+                prefill = self._prefill(decision, keys, reserve.transfer_address)
+                break
+            except grpc.RpcError as e:
+                release()
+                error = f"prefill on {decision.prefill_worker} failed: {e.details()}"
+                if attempt < MAX_ATTEMPTS and not self.cancelled and e.code() in RETRYABLE:
+                    # Nothing reached the client yet and no partial cache is kept: route again,
+                    # away from the workers that failed, and recompute.
+                    log.warning("request %s: %s; retrying elsewhere", self.request_id, error)
+                    avoid.update((decision.prefill_worker, decision.decode_worker))
+                    continue
+                reason = pb.FINISH_REASON_CANCELLED if self.cancelled else pb.FINISH_REASON_FAILED
+                yield self._terminal(reason, [], 0, error=error)
+                return
         self.t.first_token = time.monotonic()
         tokens = [prefill.first_token]
         usage = pb.Usage(prompt_tokens=len(self.req.prompt_ids), cached_tokens=prefill.cached_tokens,
@@ -96,19 +112,27 @@ class RequestLife:
                                   prefill_worker=decision.prefill_worker, decode_worker=decision.decode_worker)
         params = self.req.params
         if prefill.first_token in params.stop_token_ids or params.max_new_tokens == 1:
-            _quiet(decode_ep.decode.Release, ipb.ReleaseRequest(request_id=self.request_id))
+            release()
             reason = pb.FINISH_REASON_STOP if prefill.first_token in params.stop_token_ids else pb.FINISH_REASON_LENGTH
             yield self._terminal(reason, tokens, prefill.cached_tokens)
             return
         yield from self._decode(decode_ep.decode, prefill.first_token, tokens, prefill.cached_tokens)
 
-    def _route(self) -> tuple[RouteDecision, list[bytes]]:
+    def _route(self, avoid: set[str]) -> tuple[RouteDecision, list[bytes]]:
+        """A decision over the live cluster; workers in ``avoid`` are left out while others of
+        their role remain."""
         fp, bs = self.cluster.model_fingerprint, self.cluster.block_size
         if fp is None or bs is None:
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "no workers registered yet", 5.0)
         ids = self.req.prompt_ids
         keys = chain_keys(ids, bs, fp, self.req.tenant)
         snapshot = self.cluster.snapshot(keys, time.monotonic())
+        if avoid:
+            snapshot = ClusterSnapshot(
+                tuple(w for w in snapshot.prefill if w.worker_id not in avoid) or snapshot.prefill,
+                tuple(w for w in snapshot.decode if w.worker_id not in avoid) or snapshot.decode,
+                snapshot.time_s,
+            )
         route_req = RouteRequest(self.request_id, self.seq, len(ids), len(keys), self.req.params.max_new_tokens, bs)
         decision = self.policy(snapshot, route_req)
         if isinstance(decision, Rejection):
@@ -177,6 +201,11 @@ class RequestLife:
             log.warning("request %s: %s", self.request_id, error)
         return pb.GenerateResponse(request_id=self.request_id, finish_reason=reason, usage=usage, timing=timing,
                                    error=error)
+
+
+def _releaser(stub, request_id: str) -> Callable[[], None]:
+    """Frees a decode reservation (best effort; the worker also expires it)."""
+    return lambda: _quiet(stub.Release, ipb.ReleaseRequest(request_id=request_id))
 
 
 def _quiet(call, request) -> None:

@@ -116,3 +116,27 @@ def test_prefill_worker_killed_mid_prefill_fails_request_and_frees_decode(refere
         stats = decode.Stats(ipb.StatsRequest(), timeout=5)
         assert stats.num_live_requests == 0 and stats.num_free_pages == stats.num_pages_total
         client.close()
+
+
+def test_request_retried_on_the_other_prefill_worker_when_its_worker_dies(reference):
+    """Two prefill workers; the one prefilling a request is SIGKILLed. The Conductor routes the
+    request again to the survivor (nothing had reached the client) and it completes exactly."""
+    config = ClusterConfig(num_prefill=2, num_decode=1, prefill_args=WORKER_ARGS, decode_args=DECODE_ARGS)
+    with LocalCluster(config) as cluster:
+        stubs = {w.worker_id: igrpc.PrefillStub(channel(w.rpc_address))
+                 for w in cluster.workers().workers if w.role == ipb.WORKER_ROLE_PREFILL}
+        ids = prompt(3000, 900)
+        client = Client(cluster.endpoint)
+        call = client.stub.Generate(Client.request(ids, max_tokens=6), timeout=180)
+        deadline = time.monotonic() + 60
+        busy = []
+        while not busy:
+            assert time.monotonic() < deadline, "no prefill started"
+            busy = [w for w, s in stubs.items() if s.Stats(ipb.StatsRequest(), timeout=5).num_live_requests]
+            time.sleep(0.02)
+        cluster.procs[busy[0]].kill()
+        msgs = list(call)
+        client.close()
+    assert [m.finish_reason for m in msgs if m.finish_reason] == [pb.FINISH_REASON_LENGTH]
+    assert msgs[0].prefill_worker != busy[0]
+    assert [t for m in msgs for t in m.token_ids] == engine.generate(reference, ids, 6)
