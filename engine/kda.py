@@ -24,31 +24,34 @@ DEFAULT_CHUNK_TOKENS = 64
 
 @dataclass(frozen=True)
 class KDAWeights:
-    w_qkv: torch.Tensor  # [3*H*D, hidden]: q_proj | k_proj | v_proj stacked
+    # Every projection of the layer input, stacked so one matmul computes them all:
+    # [ q_proj | k_proj | v_proj (3*H*D) | f_a_proj (D) | b_proj (H) | g_a_proj (D) ] x hidden
+    w_in: torch.Tensor
     conv: torch.Tensor  # [3*H*D, K]: q_conv1d | k_conv1d | v_conv1d stacked, depthwise
     w_o: torch.Tensor  # [hidden, H*D]
     a_neg: torch.Tensor  # [H, 1] = -exp(A_log), fp32
     dt_bias: torch.Tensor  # [H*D] fp32
-    w_fa: torch.Tensor
-    w_fb: torch.Tensor
-    w_b: torch.Tensor
-    w_ga: torch.Tensor
-    w_gb: torch.Tensor
+    w_fb: torch.Tensor  # [H*D, D]
+    w_gb: torch.Tensor  # [H*D, D]
     o_norm: torch.Tensor  # [D]
+
+    @property
+    def in_sizes(self) -> tuple[int, int, int, int]:
+        """Widths of the w_in sections: q|k|v, f_a, b, g_a."""
+        hd, d = self.w_fb.shape
+        return 3 * hd, d, hd // d, d
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str) -> KDAWeights:
         g = lambda n: t[prefix + n]  # noqa: E731
+        names = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_a_proj")
         return cls(
-            w_qkv=torch.cat([g("q_proj.weight"), g("k_proj.weight"), g("v_proj.weight")], 0),
+            w_in=torch.cat([g(n + ".weight") for n in names], 0),
             conv=torch.cat([g("q_conv1d.weight"), g("k_conv1d.weight"), g("v_conv1d.weight")], 0).squeeze(1),
             w_o=g("o_proj.weight"),
             a_neg=-g("A_log").float().reshape(-1, 1).exp(),
             dt_bias=g("dt_bias").float(),
-            w_fa=g("f_a_proj.weight"),
             w_fb=g("f_b_proj.weight"),
-            w_b=g("b_proj.weight"),
-            w_ga=g("g_a_proj.weight"),
             w_gb=g("g_b_proj.weight"),
             o_norm=g("o_norm.weight").float(),
         )
@@ -64,14 +67,14 @@ class KDALayer:
         self.chunk_tokens = chunk_tokens
 
     # ---- shared pieces -----------------------------------------------------------------------
-    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log forget gate g [N, H, D] (<= 0) and write strength beta [N, H], both fp32."""
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pre-conv q|k|v [N, 3*H*D], log forget gate g [N, H, D] (<= 0, fp32), write strength
+        beta [N, H] (fp32) and the output gate's low-rank input [N, D], from one matmul."""
         w = self.w
-        f = F.linear(F.linear(x, w.w_fa), w.w_fb).float() + w.dt_bias
-        f = f.view(-1, self.num_heads, self.head_dim)
-        g = w.a_neg * F.softplus(f, threshold=20.0)
-        beta = torch.sigmoid(F.linear(x, w.w_b).float())
-        return g, beta
+        mixed, fa, b, ga = F.linear(x, w.w_in).split(w.in_sizes, -1)
+        f = F.linear(fa, w.w_fb).float() + w.dt_bias
+        g = w.a_neg * F.softplus(f.view(-1, self.num_heads, self.head_dim), threshold=20.0)
+        return mixed, g, torch.sigmoid(b.float()), ga
 
     def _qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Splits post-conv activations [N, 3*H*D] into normalised, scaled q, k and v [N, H, D]."""
@@ -81,10 +84,10 @@ class KDALayer:
         k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
         return q, k, v
 
-    def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    def _output(self, x: torch.Tensor, ga: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Gated per-head RMSNorm of o [N, H, D], then o_proj."""
         w = self.w
-        gate = F.linear(F.linear(x, w.w_ga), w.w_gb).float().view_as(o)
+        gate = F.linear(ga, w.w_gb).float().view_as(o)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * w.o_norm
         o = (o * torch.sigmoid(gate)).to(x.dtype).reshape(o.shape[0], -1)
         return F.linear(o, w.w_o)
@@ -98,15 +101,14 @@ class KDALayer:
         Inputs are not modified; the caller stores the returned state.
         """
         w = self.w
-        mixed = F.linear(x, w.w_qkv)  # [T, C]
+        mixed, g, beta, ga = self._project(x)  # mixed [T, C]
         k_len = w.conv.shape[1]
         full = torch.cat([conv_window.to(mixed.dtype), mixed], 0)  # [K-1+T, C]
         new_window = full[-(k_len - 1):].float().clone()
         conv = F.conv1d(full.t().unsqueeze(0), w.conv.unsqueeze(1), groups=full.shape[1])[0].t()
         q, k, v = self._qkv(F.silu(conv))
-        g, beta = self._gates(x)
         o, new_state = chunked_delta_rule(q, k, v, g, beta, state.float(), self.chunk_tokens)
-        return self._output(x, o), new_window, new_state
+        return self._output(x, ga, o), new_window, new_state
 
     # ---- decode -------------------------------------------------------------------------------
     def decode(self, x: torch.Tensor, conv_window: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -115,16 +117,15 @@ class KDALayer:
         Updates conv_window and state in place (they are per-batch gathered copies).
         """
         w = self.w
-        mixed = F.linear(x, w.w_qkv)  # [B, C]
+        mixed, g, beta, ga = self._project(x)  # mixed [B, C]
         full = torch.cat([conv_window.to(mixed.dtype), mixed.unsqueeze(1)], 1)  # [B, K, C]
         conv_window.copy_(full[:, 1:])
         q, k, v = self._qkv(F.silu((full * w.conv.t()).sum(1)))
-        g, beta = self._gates(x)
         state.mul_(g.exp().unsqueeze(-1))
         u = (v - torch.einsum("bhkv,bhk->bhv", state, k)) * beta.unsqueeze(-1)
         state.add_(k.unsqueeze(-1) * u.unsqueeze(-2))
         o = torch.einsum("bhkv,bhk->bhv", state, q)
-        return self._output(x, o)
+        return self._output(x, ga, o)
 
 
 def chunked_delta_rule(
