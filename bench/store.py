@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from deploy.local import free_port
 from kvstore.blocks import ROOT_KEY, BlockKey, Tier, block_key
 from kvstore.payload import BlockPayload, encode, make_random_payload
 from kvstore.store import StoreConfig, TieredStore
@@ -160,11 +161,6 @@ def tidekv_runner(tier: Tier, encoded: bool, scratch: Path, fsync: bool = True) 
 # ----- Redis -------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
     deadline_s = time.monotonic() + START_DEADLINE_S
@@ -199,7 +195,7 @@ def redis_runner(scratch: Path) -> Iterator[Runner | str]:
         return
     import redis
 
-    port = _free_port()
+    port = free_port()
     argv = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
     with _process(argv + ["--dir", str(scratch)], port, "redis-server", scratch / "redis.log"):
         client = redis.Redis(host="127.0.0.1", port=port)
@@ -235,7 +231,7 @@ def mooncake_runner(scratch: Path) -> Iterator[Runner | str]:
     if not Path(master).exists():
         yield "mooncake_master binary not found next to the interpreter or on PATH"
         return
-    rpc_port, http_port, metrics_port = _free_port(), _free_port(), _free_port()
+    rpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
     argv = [
         master,
         f"--rpc_port={rpc_port}",

@@ -8,7 +8,6 @@ restart. Every server runs without persistence in a temp dir and is always kille
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -17,14 +16,11 @@ from pathlib import Path
 import pytest
 import redis
 
+from deploy.local import free_port
+
 REDIS_BINARY = "redis-server"
 START_TIMEOUT_S = 10.0
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RedisServer:
@@ -86,7 +82,7 @@ def redis_server_factory(tmp_path: Path) -> Iterator[Callable[[], RedisServer]]:
     def start() -> RedisServer:
         data_dir = tmp_path / f"redis{len(servers)}"
         data_dir.mkdir()
-        server = RedisServer(binary, data_dir, _free_port())
+        server = RedisServer(binary, data_dir, free_port())
         servers.append(server)
         server.start()
         return server
@@ -101,7 +97,7 @@ def redis_server_factory(tmp_path: Path) -> Iterator[Callable[[], RedisServer]]:
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """One server for the session; tests must use their own namespaces."""
-    server = RedisServer(_binary(), tmp_path_factory.mktemp("redis"), _free_port())
+    server = RedisServer(_binary(), tmp_path_factory.mktemp("redis"), free_port())
     server.start()
     try:
         yield server
