@@ -170,13 +170,13 @@ class PrefillRunner:
         mla_index = {layer: i for i, layer in enumerate(cfg.mla_layer_ids)}
         if cached:
             for layer, i in mla_index.items():
-                sender.send(rid, layer, Kind.MLA_ROWS, (0, cached), self.cache.rows(seq, i, 0, cached))
+                self._push_rows(sender, rid, seq, layer, i, 0, cached)
 
         def on_layer(layer: int, start: int, end: int) -> None:
             if is_cancelled():
                 raise Cancelled(f"request {rid} cancelled during prefill")
             if layer in mla_index:
-                sender.send(rid, layer, Kind.MLA_ROWS, (start, end), self.cache.rows(seq, mla_index[layer], start, end))
+                self._push_rows(sender, rid, seq, layer, mla_index[layer], start, end)
 
         bs = self.cache.block_size
         points = [(i + 1) * bs for i in self.snapshots.snapshot_points(len(job.token_ids) // bs)]
@@ -187,6 +187,16 @@ class PrefillRunner:
             sender.send(rid, layer, Kind.KDA_STATE, (0, n), self.cache.slots.state[i, seq.slot].clone())
             sender.send(rid, layer, Kind.KDA_CONV, (0, n), self.cache.slots.conv[i, seq.slot].clone())
         return sample(logits, [job.params], [n])[0]
+
+    def _push_rows(self, sender, rid: str, seq: SequenceCache, layer: int, mla_index: int,
+                   start: int, end: int) -> None:
+        """Sends rows [start, end) of one MLA layer in frames of at most max_frame_bytes."""
+        kv = self.cache.pool.kv
+        row_bytes = kv.shape[-1] * kv.element_size()
+        step = max(1, self.hub.config.max_frame_bytes // row_bytes)
+        for lo in range(start, end, step):
+            hi = min(end, lo + step)
+            sender.send(rid, layer, Kind.MLA_ROWS, (lo, hi), self.cache.rows(seq, mla_index, lo, hi))
 
     def _store_new_blocks(self, job: PrefillJob, seq: SequenceCache, cached: int) -> None:
         bs = self.cache.block_size

@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssd-bytes", type=int, default=1 << 30)
     p.add_argument("--data-dir", default="", help="SSD tier directory (default: a temporary one)")
     p.add_argument("--eviction", default="lru")
+    p.add_argument("--max-frame-bytes", type=int, default=32 << 20, help="largest KV frame sent to a decode worker")
     return p
 
 
@@ -112,6 +113,10 @@ def serve(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     setup_torch(args.threads or None)
     model = engine.load_model(args.model, device=args.device)
+    cfg = model.cfg
+    state_bytes = cfg.kda_num_heads * cfg.kda_head_dim**2 * 4  # one KDA layer's state: one frame
+    if args.max_frame_bytes < state_bytes:
+        raise ValueError(f"--max-frame-bytes {args.max_frame_bytes} is below one KDA state ({state_bytes} bytes)")
     worker_id = args.worker_id or f"prefill-{uuid.uuid4().hex[:6]}"
     data_dir = args.data_dir or tempfile.mkdtemp(prefix=f"tidekv-{worker_id}-")
     events = EventQueue()
@@ -120,7 +125,8 @@ def serve(argv: list[str] | None = None) -> None:
                                     eviction_policy=args.eviction,
                                     snapshot_interval_blocks=args.snapshot_interval_blocks),
                         on_event=events.on_event)
-    hub = TransferHub(TransferConfig(bind_host=args.host), args.transfer_backend)
+    hub = TransferHub(TransferConfig(bind_host=args.host, max_frame_bytes=args.max_frame_bytes),
+                      args.transfer_backend)
     runner = PrefillRunner(model, store, hub, args.num_pages, args.block_size, args.snapshot_interval_blocks)
     service = PrefillService(runner, hub, events)
     running = start_server([lambda s: igrpc.add_PrefillServicer_to_server(service, s)],

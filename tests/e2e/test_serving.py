@@ -8,8 +8,9 @@ import pytest
 
 import engine
 from conductor.client import Client
+from deploy.local import ClusterConfig, LocalCluster
 from kvstore.hitrule import SnapshotPolicy
-from tests.e2e.conftest import BLOCK, SNAP_EVERY, make_cluster
+from tests.e2e.conftest import BLOCK, DECODE_ARGS, SNAP_EVERY, WORKER_ARGS, make_cluster
 from tests.e2e.helpers import prompt, run_all, wait_all_freed
 
 SAMPLING = [dict(), dict(temperature=0.8, top_p=0.9, top_k=40, seed=17), dict(temperature=1.2, seed=3)]
@@ -135,3 +136,17 @@ def test_flood_beyond_admission_queue():
             assert r.num_terminal == 1 and r.token_ids == engine.generate(model, ids[i], 20)
         client.close()
         wait_all_freed(c)
+
+
+def test_small_frames_split_rows_and_stay_exact(reference):
+    """With 64 KiB frames (the size of one KDA state) the reused prefix's rows (640 bytes each)
+    go out in several frames per layer; the decode worker assembles them exactly."""
+    args = ("--max-frame-bytes", str(64 << 10))
+    with LocalCluster(ClusterConfig(num_prefill=1, num_decode=1, prefill_args=WORKER_ARGS + args,
+                                    decode_args=DECODE_ARGS)) as c:
+        first = prompt(150, 1000)
+        second = first[:128] + prompt(20, 1001)
+        run_all(c.endpoint, [Client.request(first, max_tokens=2)])
+        out = run_all(c.endpoint, [Client.request(second, max_tokens=8)])[0]
+    assert out.cached_tokens == 128
+    assert out.token_ids == engine.generate(reference, second, 8)
