@@ -16,7 +16,7 @@ import grpc
 
 import engine
 from decode_worker.scheduler import DecodeScheduler, Finished
-from decode_worker.sink import PageSink, expected_for
+from decode_worker.sink import expected_for, sink_for
 from deploy.grpc_server import serve_until_signal, start_server
 from deploy.settings import setup_torch, worker_parser
 from deploy.worker_link import WorkerLink
@@ -53,7 +53,7 @@ class DecodeService(igrpc.DecodeServicer):
                           f"decode cache full: {n} tokens need {self.scheduler.cache.pages_for(n)} pages, "
                           f"{load['num_free_pages']} free")
         deadline = request.deadline_s or self.transfer_deadline_s
-        self.receiver.expect(request.request_id, PageSink(self.scheduler.cache, seq),
+        self.receiver.expect(request.request_id, sink_for(self.scheduler.cache, seq),
                              expected_for(self.scheduler.cache, request.prompt_tokens), deadline)
         return ipb.ReserveResponse(transfer_address=self.receiver.address)
 

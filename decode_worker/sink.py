@@ -1,37 +1,25 @@
-"""Where received KV lands: a transfer sink that writes chunks into one request's pages/slot."""
+"""Where received KV lands: a transfer sink over one request's pages and KDA slot."""
 
 from __future__ import annotations
 
-from typing import Any
+import torch
 
 from engine import CacheManager, SequenceCache
 from kvstore.transfer.base import Expected
-from kvstore.transfer.frames import Kind
+from kvstore.transfer.sinks import PagePoolSink
 
 
-class PageSink:
-    """Writes verified chunks of one request straight into its reserved pages and KDA slot.
-
-    Runs on the transfer receiver's I/O thread; touches only this request's pages and slot.
-    """
-
-    def __init__(self, cache: CacheManager, seq: SequenceCache):
-        self.cache, self.seq = cache, seq
-        cfg = cache.cfg
-        self._mla = {layer: i for i, layer in enumerate(cfg.mla_layer_ids)}
-        self._kda = {layer: i for i, layer in enumerate(cfg.kda_layer_ids)}
-
-    def write(self, kind: Kind, layer: int, token_start: int, token_end: int, tensor: Any) -> None:
-        if kind == Kind.MLA_ROWS:
-            if layer not in self._mla:
-                raise ValueError(f"layer {layer} is not an MLA layer")
-            self.cache.write_rows(self.seq, self._mla[layer], token_start, tensor)
-        elif kind == Kind.KDA_STATE:
-            self.cache.slots.state[self._kda[layer], self.seq.slot] = tensor
-        elif kind == Kind.KDA_CONV:
-            self.cache.slots.conv[self._kda[layer], self.seq.slot] = tensor
-        else:
-            raise ValueError(f"unexpected chunk kind {kind!r} for a decode destination")
+def sink_for(cache: CacheManager, seq: SequenceCache) -> PagePoolSink:
+    """Writes verified chunks straight into seq's reserved pages and its KDA slot (views into
+    the slot tensors). Runs on the receiver's I/O thread; touches only this request's memory."""
+    cfg = cache.cfg
+    return PagePoolSink(
+        cache.pool.kv,
+        torch.tensor(seq.pages),
+        {layer: i for i, layer in enumerate(cfg.mla_layer_ids)},
+        kda_state={layer: cache.slots.state[i, seq.slot] for i, layer in enumerate(cfg.kda_layer_ids)},
+        kda_conv={layer: cache.slots.conv[i, seq.slot] for i, layer in enumerate(cfg.kda_layer_ids)},
+    )
 
 
 def expected_for(cache: CacheManager, num_prompt_tokens: int) -> Expected:

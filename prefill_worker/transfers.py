@@ -9,7 +9,6 @@ decoded as a payload. Thread-safe.
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import grpc
 
@@ -18,20 +17,9 @@ from kvstore.transfer.base import Expected, TransferConfig, TransferError
 from kvstore.transfer.frames import Kind
 from kvstore.transfer.receiver import Receiver
 from kvstore.transfer.sender import Sender, connect
+from kvstore.transfer.sinks import BlobSink
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
-
-
-class BlobSink:
-    """Collects BLOB frames (copies: the receiver reuses its buffers)."""
-
-    def __init__(self, num_blobs: int):
-        self.blobs: list[bytes | None] = [None] * num_blobs
-
-    def write(self, kind: Kind, layer: int, token_start: int, token_end: int, tensor: Any) -> None:
-        if kind != Kind.BLOB:
-            raise ValueError(f"expected blobs, got {kind!r}")
-        self.blobs[layer] = tensor.numpy().tobytes()
 
 
 class TransferHub:
@@ -58,7 +46,7 @@ class TransferHub:
     def pull_blocks(self, transfer_id: str, holder_rpc_address: str, keys: list[bytes],
                     timeout_s: float) -> list[bytes]:
         """Encoded payloads of keys from the holder, in order. TransferError on any failure."""
-        sink = BlobSink(len(keys))
+        sink = BlobSink()
         self.receiver.expect(transfer_id, sink, Expected(num_blobs=len(keys)), timeout_s)
         stub = igrpc.PrefillStub(channel(holder_rpc_address))
         try:
@@ -67,9 +55,8 @@ class TransferHub:
         except grpc.RpcError as e:
             self.receiver.cancel(transfer_id)
             raise TransferError(f"holder {holder_rpc_address} could not push blocks: {e.details()}") from e
-        self.receiver.wait_complete(transfer_id, timeout_s)
-        assert all(b is not None for b in sink.blobs)
-        return sink.blobs  # type: ignore[return-value]
+        self.receiver.wait_complete(transfer_id, timeout_s)  # complete: every blob index arrived
+        return [sink.blobs[i] for i in range(len(keys))]
 
     def push_blobs(self, transfer_id: str, dest: str, blobs: list[bytes]) -> None:
         sender = self.sender(dest)
