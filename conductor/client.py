@@ -6,9 +6,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from deploy.grpc_server import channel
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc as pgrpc
+from runtime.grpc_server import channel
 
 
 @dataclass
@@ -24,6 +24,9 @@ class Completion:
     total_s: float = 0.0
     prefill_worker: str = ""
     decode_worker: str = ""
+    pulled_from: str = ""  # the worker the prefix was pulled from ("" when none)
+    route_branch: str = ""  # cold | local | pull | replicate
+    predicted_ttft_s: float = 0.0
     num_terminal: int = 0
 
     @property
@@ -43,13 +46,14 @@ class Client:
     @staticmethod
     def request(prompt: str | Sequence[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                 top_k: int = 0, seed: int = 0, stop_token_ids: Sequence[int] = (), tenant: str = "",
-                request_id: str = "") -> pb.GenerateRequest:
+                request_id: str = "", ttft_slo_s: float = 0.0, tbt_slo_s: float = 0.0) -> pb.GenerateRequest:
         sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                      seed=seed, stop_token_ids=list(stop_token_ids))
+        common = dict(sampling=sampling, tenant=tenant, request_id=request_id, ttft_slo_s=ttft_slo_s,
+                      tbt_slo_s=tbt_slo_s)
         if isinstance(prompt, str):
-            return pb.GenerateRequest(text=prompt, sampling=sampling, tenant=tenant, request_id=request_id)
-        return pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(prompt)), sampling=sampling, tenant=tenant,
-                                  request_id=request_id)
+            return pb.GenerateRequest(text=prompt, **common)
+        return pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(prompt)), **common)
 
     def generate(self, req: pb.GenerateRequest, timeout_s: float = 300.0) -> Completion:
         """Runs one request to its end; raises grpc.RpcError for a refused request."""
@@ -59,6 +63,7 @@ class Client:
             if not out.token_ids and msg.token_ids:
                 out.ttft_s = time.perf_counter() - t0
                 out.prefill_worker, out.decode_worker = msg.prefill_worker, msg.decode_worker
+                out.pulled_from, out.route_branch = msg.pulled_from, msg.route_branch
                 out.request_id = msg.request_id
                 out.cached_tokens, out.prompt_tokens = msg.usage.cached_tokens, msg.usage.prompt_tokens
             out.token_ids.extend(msg.token_ids)
@@ -69,5 +74,6 @@ class Client:
                 out.error = msg.error
                 out.cached_tokens = msg.usage.cached_tokens
                 out.prompt_tokens = msg.usage.prompt_tokens
+                out.predicted_ttft_s = msg.timing.predicted_ttft_s
         out.total_s = time.perf_counter() - t0
         return out

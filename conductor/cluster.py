@@ -1,8 +1,8 @@
-"""The Conductor's view of the cluster: the global index, worker addresses and stubs, and the
-``ClusterSnapshot`` a routing policy decides on.
+"""The Conductor's registry side: the global index, worker addresses and stubs.
 
-Owns the registry side of the Conductor: registration checks (one model, one block size),
-heartbeats into the index, block events into the index, and gRPC stubs per worker.
+Owns registration checks (one model, one block size, and any extra check the Conductor
+adds, such as its calibration's model fingerprint), heartbeats into the index, block events
+into the index, gRPC stubs per worker, and the registry view a snapshot is built from.
 Thread-safe: the index is; the local maps are guarded by one lock.
 """
 
@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from conductor.routing import ClusterSnapshot, WorkerView
-from deploy.grpc_server import channel
-from kvstore.blocks import BlockKey, Tier
-from kvstore.index import BlockEvent, GlobalIndex, WorkerInfo, WorkerLoad, WorkerRole
+from conductor.snapshot import RegistryEntry
+from kvstore.blocks import BlockKey
+from kvstore.index import BlockEvent, GlobalIndex, MatchSnapshot, WorkerInfo, WorkerRole
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
+from proto.convert import block_event_from_proto, load_from_proto, load_to_proto
+from runtime.grpc_server import channel
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +34,10 @@ class Endpoint:
 
 
 class Cluster:
-    def __init__(self, index: GlobalIndex):
+    def __init__(self, index: GlobalIndex, check: Callable[[ipb.WorkerInfo], str | None] = lambda info: None):
+        """``check(info)``: an extra registration check, returning the reason to refuse or None."""
         self.index = index
+        self._check = check
         self._lock = threading.Lock()
         self._endpoints: dict[str, Endpoint] = {}
         self.model_fingerprint: str | None = None
@@ -44,6 +48,10 @@ class Cluster:
         """None when accepted, else the reason for refusing the worker."""
         if info.role not in ROLE:
             return f"worker {info.worker_id}: role must be prefill or decode"
+        reason = self._check(info)
+        if reason is not None:
+            log.error("refused worker %s: %s", info.worker_id, reason)
+            return reason
         with self._lock:
             if self.model_fingerprint is None:
                 self.model_fingerprint, self.block_size = info.model_fingerprint, info.block_size
@@ -59,60 +67,43 @@ class Cluster:
         log.info("registered %s %s at %s", ROLE[info.role], info.worker_id, info.rpc_address)
         return None
 
-    def heartbeat(self, worker_id: str, load: ipb.WorkerLoad, events: list[ipb.BlockEvent]) -> bool:
+    def heartbeat(self, worker_id: str, load: ipb.WorkerLoad, events: Sequence[ipb.BlockEvent]) -> bool:
         """False when this Conductor does not know the worker (it must register again)."""
         with self._lock:
             if worker_id not in self._endpoints:
                 return False
-        alive = self.index.heartbeat(worker_id, WorkerLoad(
-            load.queue_len, load.num_running_requests, load.num_free_pages, load.free_dram_bytes,
-            load.num_tokens_in_flight))
+        alive = self.index.heartbeat(worker_id, load_from_proto(load))
         if alive:
-            self.apply_events(worker_id, events)
+            self.index.apply([block_event_from_proto(worker_id, e) for e in events])
         return alive
 
-    def apply_events(self, worker_id: str, events: list[ipb.BlockEvent]) -> None:
+    def apply_events(self, events: Sequence[BlockEvent]) -> None:
         if events:
-            self.index.apply([
-                BlockEvent.removed(worker_id, e.key) if e.tier < 0
-                else BlockEvent.stored(worker_id, e.key, Tier(e.tier), e.has_snapshot)
-                for e in events
-            ])
-
-    def alive(self) -> list[tuple[ipb.WorkerInfo, ipb.WorkerLoad]]:
-        with self._lock:
-            known = dict(self._endpoints)
-        return [
-            (known[info.worker_id].info, ipb.WorkerLoad(
-                queue_len=load.queue_len, num_running_requests=load.num_running_requests,
-                num_free_pages=load.num_free_pages, free_dram_bytes=load.free_dram_bytes,
-                num_tokens_in_flight=load.num_tokens_in_flight))
-            for info, load in self.index.workers() if info.worker_id in known
-        ]
+            self.index.apply(events)
 
     def endpoint(self, worker_id: str) -> Endpoint:
         with self._lock:
             return self._endpoints[worker_id]
 
-    # ---- snapshot -------------------------------------------------------------------------------
-    def snapshot(self, keys: list[BlockKey], now_s: float) -> ClusterSnapshot:
-        """Alive workers known here, with each prefill worker's usable prefix of ``keys``."""
-        matches = self.index.match(keys) if keys else None
+    def match(self, keys: Sequence[BlockKey]) -> MatchSnapshot | None:
+        return self.index.match(keys) if keys else None
+
+    def registry_view(self, wall_now_s: float) -> tuple[RegistryEntry, ...]:
+        """Alive workers known here, with their latest load and its age (by ``wall_now_s``)."""
         with self._lock:
             known = dict(self._endpoints)
-        prefill, decode = [], []
+        out = []
         for info, load in self.index.workers():
             ep = known.get(info.worker_id)
             if ep is None:
                 continue
-            m = matches.get(info.worker_id) if matches is not None else None
-            usable = m.num_blocks_usable if m is not None else 0
-            view = WorkerView(
-                worker_id=info.worker_id, role=str(info.role), rpc_address=info.address,
-                transfer_address=ep.info.transfer_address, queue_len=load.queue_len,
-                num_running=load.num_running_requests, num_free_pages=load.num_free_pages,
-                num_tokens_in_flight=load.num_tokens_in_flight, usable_blocks=usable,
-                usable_tier=int(m.slowest_usable_tier) if usable and m.slowest_usable_tier is not None else None,
-            )
-            (prefill if info.role == WorkerRole.PREFILL else decode).append(view)
-        return ClusterSnapshot(tuple(prefill), tuple(decode), now_s)
+            age_s = max(0.0, wall_now_s - load.timestamp_s) if load.timestamp_s else 0.0
+            out.append(RegistryEntry(info.worker_id, info.role, info.address, ep.info.transfer_address, load, age_s))
+        return tuple(out)
+
+    def alive(self) -> list[tuple[ipb.WorkerInfo, ipb.WorkerLoad]]:
+        """Alive workers known here as wire messages (the Registry/Workers RPC)."""
+        with self._lock:
+            known = dict(self._endpoints)
+        return [(known[info.worker_id].info, load_to_proto(load))
+                for info, load in self.index.workers() if info.worker_id in known]

@@ -1,20 +1,23 @@
-"""The built-in routing policies: ``round_robin``, ``least_loaded`` and ``cache_aware``.
+"""The load- and prefix-based routing policies: ``random``, ``round_robin``,
+``least_loaded`` and ``cache_aware`` (SGLang's router).
 
-Each is a pure function of ``(ClusterSnapshot, RouteRequest)`` registered by name in
-``conductor.routing``; each first applies the shared admission rules
+Each is a pure function of ``(ClusterSnapshot, RouteRequest)`` built by a factory registered
+by name in ``conductor.routing``; each first applies the shared admission rules
 (``admission_rejection``), then picks one prefill and one fitting decode worker, and leaves
 the reuse plan to the shared ``plan_reuse`` (through ``decide``). The orderings below
-(``prefill_load_key``, ``least_loaded_decode``) are public so later policies can reuse them.
+(``prefill_load_key``, ``least_loaded_decode``) are public so other policies can reuse them.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from conductor.routing import (
     ClusterSnapshot,
     Policy,
+    PolicyContext,
     Rejection,
     RouteDecision,
     RouteRequest,
@@ -33,9 +36,9 @@ PrefillPicker = Callable[[ClusterSnapshot, RouteRequest], WorkerView]
 # --- orderings shared by policies -----------------------------------------------------
 
 
-def prefill_load_key(worker: WorkerView) -> tuple[int, int, int, str]:
-    """Less is less loaded: waiting requests, then running ones, then tokens in flight."""
-    return (worker.queue_len, worker.num_running, worker.num_tokens_in_flight, worker.worker_id)
+def prefill_load_key(worker: WorkerView) -> tuple[int, int, str]:
+    """Less is less loaded: prefills held (queued or running), then tokens still to compute."""
+    return (worker.queue_len, worker.num_queued_tokens, worker.worker_id)
 
 
 def least_loaded_prefill(snapshot: ClusterSnapshot, request: RouteRequest) -> WorkerView:
@@ -65,7 +68,6 @@ def _by_id(workers: tuple[WorkerView, ...]) -> list[WorkerView]:
     return sorted(workers, key=lambda w: w.worker_id)
 
 
-@register_policy("round_robin")
 def round_robin(snapshot: ClusterSnapshot, request: RouteRequest) -> RouteDecision | Rejection:
     """Prefill ``seq % n`` over workers sorted by id; decode likewise, skipping forward past
     workers without room (so the rotation is unchanged while every decode worker fits)."""
@@ -84,10 +86,42 @@ def round_robin(snapshot: ClusterSnapshot, request: RouteRequest) -> RouteDecisi
 # --- least loaded ---------------------------------------------------------------------
 
 
-@register_policy("least_loaded")
 def least_loaded(snapshot: ClusterSnapshot, request: RouteRequest) -> RouteDecision | Rejection:
     """Least loaded prefill worker (``prefill_load_key``) and least loaded fitting decode."""
     return _route(snapshot, request, least_loaded_prefill)
+
+
+register_policy("round_robin")(lambda context: round_robin)
+register_policy("least_loaded")(lambda context: least_loaded)
+
+
+# --- random ---------------------------------------------------------------------------
+
+
+def _draw(seed: int, request: RouteRequest, salt: str, n: int) -> int:
+    """A uniform index in [0, n) that depends only on (seed, request, salt): pure."""
+    digest = hashlib.blake2b(f"{seed}/{request.seq}/{request.request_id}/{salt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % n
+
+
+def make_random(context: PolicyContext) -> Policy:
+    """Uniformly random prefill and fitting decode workers (FAST'25's baseline), seeded by
+    ``routing.seed`` and the request, so the same request gets the same answer."""
+    seed = context.routing.seed
+
+    def random_policy(snapshot: ClusterSnapshot, request: RouteRequest) -> RouteDecision | Rejection:
+        rejection = admission_rejection(snapshot, request)
+        if rejection is not None:
+            return rejection
+        prefill = _by_id(snapshot.prefill)
+        decode = _by_id(fitting_decode(snapshot, request))
+        chosen = prefill[_draw(seed, request, "prefill", len(prefill))]
+        return decide(snapshot, request, chosen, decode[_draw(seed, request, "decode", len(decode))])
+
+    return random_policy
+
+
+register_policy("random")(make_random)
 
 
 # --- cache aware (SGLang) -------------------------------------------------------------
@@ -133,4 +167,7 @@ def make_cache_aware(config: CacheAwareConfig) -> Policy:
     return cache_aware
 
 
-register_policy("cache_aware")(make_cache_aware(CacheAwareConfig()))
+@register_policy("cache_aware")
+def _cache_aware_factory(context: PolicyContext) -> Policy:
+    r = context.routing
+    return make_cache_aware(CacheAwareConfig(r.cache_aware_abs_threshold, r.cache_aware_rel_threshold))

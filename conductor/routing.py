@@ -1,13 +1,14 @@
 """Routing vocabulary and registry: the values a routing policy reads and returns, the
-registry of policies by name, and the rules every policy shares.
+registry of policy factories by name, and the rules every policy shares.
 
 A policy is a pure function ``policy(snapshot, request) -> RouteDecision | Rejection``
 (STYLE rule 2). It reads a frozen ``ClusterSnapshot`` and a frozen ``RouteRequest``, changes
 nothing, and gives the same answer for the same inputs, so the live Conductor, the simulator
-and the tests run the same code. The Conductor applies the decision; this module applies
-nothing.
+and the tests run the same code. Policies are registered as factories that take a
+``PolicyContext`` (their config and the cost models) and return the policy; nothing is built
+at import. The Conductor applies the decision; this module applies nothing.
 
-Shared rules, one helper each, so that every policy (and later ``mooncake``) agrees on them:
+Shared rules, one helper each, so that every policy agrees on them:
 
 - ``admission_rejection``: no prefill or no decode workers, or no decode worker with room for
   the whole sequence -> a ``Rejection`` with the numbers and a retry hint.
@@ -23,57 +24,106 @@ Shared rules, one helper each, so that every policy (and later ``mooncake``) agr
 - ``plan_reuse``: the chosen prefill worker reuses its own prefix unless another worker's
   (capped) prefix is deeper, in which case it pulls that deeper prefix from that worker.
 
-The policies themselves live in ``conductor.policies``; ``get_policy`` and ``policy_names``
-import it on first use, so ``from conductor.routing import get_policy`` is enough.
+The policies live in ``conductor.policies``, ``conductor.kv_cost`` and ``conductor.mooncake``;
+``make_policy`` and ``policy_names`` import them on first use.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import importlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-PREFILL = "prefill"
-DECODE = "decode"
-ROLES = (PREFILL, DECODE)
-NUM_TIERS = 3  # 0 device, 1 DRAM, 2 SSD
+from conductor.config import RoutingConfig
+from kvstore.blocks import Tier
+from kvstore.index import PrefillJobLoad, WorkerRole
+
+if TYPE_CHECKING:
+    from costmodel import CostModels
 
 RETRY_NO_WORKERS_S = 5.0  # workers take seconds to start and register
 RETRY_DECODE_FULL_S = 1.0  # decode memory frees as running requests finish
 
 
+class RouteBranch(enum.StrEnum):
+    """Where the reused prefix comes from: none, the chosen worker's own tiers, a pull from
+    the holder because it predicts the lower TTFT, or a pull that replicates a hot prefix."""
+
+    COLD = "cold"
+    LOCAL = "local"
+    PULL = "pull"
+    REPLICATE = "replicate"
+
+
+class RejectKind(enum.StrEnum):
+    NO_WORKERS = "no_workers"
+    DECODE_FULL = "decode_full"
+    TTFT_SLO = "ttft_slo"
+    TBT_SLO = "tbt_slo"
+
+
+@dataclass(frozen=True)
+class DecodeJob:
+    """A request on (or about to join) a decode worker, as this Conductor knows it."""
+
+    request_id: str
+    num_tokens: int  # context it holds now (prompt + generated)
+    num_remaining_tokens: int  # tokens it may still generate
+    decoding: bool = True  # in the running batch; else still in prefill, joining at ready_at_s
+    ready_at_s: float = 0.0  # predicted moment it joins (the snapshot's clock)
+
+    def ready_in_s(self, now_s: float) -> float:
+        """0 while decoding; else the predicted seconds until it joins (at least a tick)."""
+        return 0.0 if self.decoding else max(1e-6, self.ready_at_s - now_s)
+
+
 @dataclass(frozen=True)
 class WorkerView:
-    """One worker as seen in one snapshot. Counts are non-negative; pages are blocks of the
-    decode worker's paged cache (``block_size`` tokens each)."""
+    """One worker as seen in one snapshot: its last heartbeat plus what this Conductor routed
+    there since (the pending overlay, ``conductor.snapshot``). Pages are blocks of the worker's
+    paged cache (``block_size`` tokens each); counts are non-negative."""
 
     worker_id: str
-    role: str  # "prefill" | "decode"
+    role: WorkerRole
     rpc_address: str
     transfer_address: str
-    queue_len: int = 0
-    num_running: int = 0
     num_free_pages: int = 0
-    num_tokens_in_flight: int = 0
+    num_running: int = 0  # decode: requests in the running batch
+    num_queued: int = 0  # decode: reserved, not yet decoding
+    num_context_tokens: int = 0  # decode: tokens held by running requests
+    prefill_jobs: tuple[PrefillJobLoad, ...] = ()  # prefill: queued and running prefills, in order
+    decode_jobs: tuple[DecodeJob, ...] = ()  # decode: the requests this Conductor knows there
     usable_blocks: int = 0  # prefill only: deepest reusable prefix (blocks) held for THIS request
-    usable_tier: int | None = None  # slowest tier in that prefix (0 device, 1 DRAM, 2 SSD)
+    usable_tier: Tier | None = None  # slowest tier in that prefix
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"worker {self.worker_id!r}: role {self.role!r} is not one of {ROLES}")
-        counts = {
-            "queue_len": self.queue_len,
-            "num_running": self.num_running,
-            "num_free_pages": self.num_free_pages,
-            "num_tokens_in_flight": self.num_tokens_in_flight,
-            "usable_blocks": self.usable_blocks,
-        }
+        object.__setattr__(self, "role", WorkerRole(self.role))
+        counts = {"num_free_pages": self.num_free_pages, "num_running": self.num_running,
+                  "num_queued": self.num_queued, "num_context_tokens": self.num_context_tokens,
+                  "usable_blocks": self.usable_blocks}
         negative = {name: value for name, value in counts.items() if value < 0}
         if negative:
             raise ValueError(f"worker {self.worker_id!r}: negative counts {negative}")
-        if self.usable_tier is not None and not 0 <= self.usable_tier < NUM_TIERS:
-            raise ValueError(f"worker {self.worker_id!r}: usable_tier {self.usable_tier} not in 0..2")
+        if self.usable_tier is not None:
+            object.__setattr__(self, "usable_tier", Tier(self.usable_tier))
+
+    @property
+    def queue_len(self) -> int:
+        """Requests ahead of a new one: prefills held (queued or running), or joining decodes."""
+        return len(self.prefill_jobs) if self.role is WorkerRole.PREFILL else self.num_queued
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Prefill tokens still to compute on this worker (queued and running jobs)."""
+        return sum(j.num_new_tokens for j in self.prefill_jobs)
+
+    @property
+    def transfer_backend(self) -> str:
+        return self.transfer_address.partition("://")[0] or "tcp"
 
 
 @dataclass(frozen=True)
@@ -86,6 +136,8 @@ class RouteRequest:
     num_blocks: int  # full blocks in the prompt
     max_tokens: int
     block_size: int
+    ttft_slo_s: float = math.inf  # resolved: the request's, its tenant's or the cluster's
+    tbt_slo_s: float = math.inf
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -100,18 +152,24 @@ class RouteRequest:
                 f"request {self.request_id}: num_blocks {self.num_blocks} not in 0..{full_blocks} "
                 f"({self.num_prompt_tokens} prompt tokens, block size {self.block_size})"
             )
+        if not (self.ttft_slo_s > 0 and self.tbt_slo_s > 0):
+            raise ValueError(f"request {self.request_id}: SLOs must be > 0")
 
 
 @dataclass(frozen=True)
 class ClusterSnapshot:
-    """Every live worker at one instant, split by role. Worker ids are unique."""
+    """Every live worker at one instant, split by role. Worker ids are unique.
+
+    ``prefix_rate_per_s``: how often this request's leading block was asked for lately (the
+    Conductor's prefix heat), which the hot-prefix rule reads."""
 
     prefill: tuple[WorkerView, ...]
     decode: tuple[WorkerView, ...]
     time_s: float = 0.0
+    prefix_rate_per_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for role, workers in ((PREFILL, self.prefill), (DECODE, self.decode)):
+        for role, workers in ((WorkerRole.PREFILL, self.prefill), (WorkerRole.DECODE, self.decode)):
             wrong = [w.worker_id for w in workers if w.role != role]
             if wrong:
                 raise ValueError(f"snapshot: workers {wrong} listed as {role} have another role")
@@ -130,56 +188,101 @@ class ReusePlan:
 
 
 @dataclass(frozen=True)
+class Prediction:
+    """What a time-aware policy predicted for its decision (zeros: it predicts nothing)."""
+
+    ttft_s: float = 0.0  # queue + transfer + prefill on the chosen worker
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+    tbt_s: float = 0.0  # decode step time on the chosen decode worker after this request joins
+
+
+@dataclass(frozen=True)
 class RouteDecision:
     prefill_worker: str
     decode_worker: str
     reuse: ReusePlan
+    branch: RouteBranch = RouteBranch.COLD
+    predicted: Prediction = field(default_factory=Prediction)
 
 
 @dataclass(frozen=True)
 class Rejection:
     reason: str  # human-readable, names the resource and the numbers
     retry_after_s: float
+    kind: RejectKind = RejectKind.NO_WORKERS
 
 
 Policy = Callable[[ClusterSnapshot, RouteRequest], RouteDecision | Rejection]
 
 
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a policy factory builds from: the routing config and the cost models (None for
+    policies that predict nothing; a policy that needs them raises ValueError when missing)."""
+
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    costs: CostModels | None = None
+
+
+PolicyFactory = Callable[[PolicyContext], Policy]
+
 # --- registry -------------------------------------------------------------------------
 
-_POLICIES: dict[str, Policy] = {}
-_BUILTIN_MODULE = "conductor.policies"
+_FACTORIES: dict[str, PolicyFactory] = {}
+_BUILTIN_MODULES = ("conductor.policies", "conductor.kv_cost", "conductor.mooncake")
 
 
-def register_policy(name: str) -> Callable[[Policy], Policy]:
-    """Decorator: register ``policy`` under ``name``. A second policy with the same name
-    raises ``ValueError``. Mutates the module registry (import time only)."""
+def register_policy(name: str) -> Callable[[PolicyFactory], PolicyFactory]:
+    """Decorator: register a policy factory under ``name``. A second factory with the same
+    name raises ``ValueError``. Mutates the module registry (import time only)."""
 
-    def register(policy: Policy) -> Policy:
-        if name in _POLICIES and _POLICIES[name] is not policy:
+    def register(factory: PolicyFactory) -> PolicyFactory:
+        if name in _FACTORIES and _FACTORIES[name] is not factory:
             raise ValueError(f"routing policy {name!r} is already registered")
-        _POLICIES[name] = policy
-        return policy
+        _FACTORIES[name] = factory
+        return factory
 
     return register
 
 
 def _load_builtin_policies() -> None:
-    importlib.import_module(_BUILTIN_MODULE)  # registers on first import; cached afterwards
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)  # registers on first import; cached afterwards
 
 
-def get_policy(name: str) -> Policy:
-    """The policy registered as ``name``; ``ValueError`` listing the known names if none."""
+def make_policy(name: str, context: PolicyContext | None = None) -> Policy:
+    """The policy registered as ``name`` built for ``context``; ``ValueError`` listing the
+    known names if none."""
     _load_builtin_policies()
-    if name not in _POLICIES:
+    if name not in _FACTORIES:
         raise ValueError(f"unknown routing policy {name!r}; registered: {', '.join(policy_names())}")
-    return _POLICIES[name]
+    context = context or PolicyContext()
+    policy = _FACTORIES[name](context)
+    return policy if context.routing.pull_from_peers else _local_reuse_only(policy)
+
+
+def _local_reuse_only(policy: Policy) -> Policy:
+    """``policy`` with every pull replaced by the chosen worker's own prefix (FAST'25's
+    "local cache-aware" baselines). Time-aware policies read the flag themselves."""
+
+    def local(snapshot: ClusterSnapshot, request: RouteRequest) -> RouteDecision | Rejection:
+        decision = policy(snapshot, request)
+        if isinstance(decision, Rejection) or decision.reuse.holder is None:
+            return decision
+        chosen = snapshot.find(decision.prefill_worker)
+        assert chosen is not None
+        reuse = ReusePlan(capped_usable(chosen, request), None)
+        return dataclasses.replace(decision, reuse=reuse, branch=branch_of(reuse))
+
+    return local
 
 
 def policy_names() -> list[str]:
     """Registered policy names, sorted."""
     _load_builtin_policies()
-    return sorted(_POLICIES)
+    return sorted(_FACTORIES)
 
 
 # --- shared rules ---------------------------------------------------------------------
@@ -216,7 +319,7 @@ def admission_rejection(snapshot: ClusterSnapshot, request: RouteRequest) -> Rej
         f"no decode worker has room: need {decode_need_pages(request)} free pages "
         f"({request.num_prompt_tokens} prompt + {request.max_tokens} max tokens, "
         f"block size {request.block_size}); most free is {best.num_free_pages} on {best.worker_id}",
-        RETRY_DECODE_FULL_S,
+        RETRY_DECODE_FULL_S, RejectKind.DECODE_FULL,
     )
 
 
@@ -226,7 +329,7 @@ def capped_usable(worker: WorkerView, request: RouteRequest) -> int:
 
 
 def _tier_rank(worker: WorkerView) -> int:
-    return NUM_TIERS if worker.usable_tier is None else worker.usable_tier
+    return len(Tier) if worker.usable_tier is None else int(worker.usable_tier)
 
 
 def best_holder(
@@ -252,11 +355,18 @@ def plan_reuse(
     return ReusePlan(num_blocks=own, holder=None)
 
 
+def branch_of(reuse: ReusePlan) -> RouteBranch:
+    if reuse.num_blocks == 0:
+        return RouteBranch.COLD
+    return RouteBranch.LOCAL if reuse.holder is None else RouteBranch.PULL
+
+
 def decide(
     snapshot: ClusterSnapshot, request: RouteRequest, prefill: WorkerView, decode: WorkerView
 ) -> RouteDecision:
     """The decision for a chosen pair, with the shared reuse plan."""
-    return RouteDecision(prefill.worker_id, decode.worker_id, plan_reuse(snapshot, request, prefill))
+    reuse = plan_reuse(snapshot, request, prefill)
+    return RouteDecision(prefill.worker_id, decode.worker_id, reuse, branch_of(reuse))
 
 
 def check_decision(snapshot: ClusterSnapshot, request: RouteRequest, decision: RouteDecision) -> None:
@@ -264,13 +374,15 @@ def check_decision(snapshot: ClusterSnapshot, request: RouteRequest, decision: R
     their roles, the decode worker fits, and the reuse plan is within the cap and held."""
     prefill = snapshot.find(decision.prefill_worker)
     decode = snapshot.find(decision.decode_worker)
-    assert prefill is not None and prefill.role == PREFILL, f"bad prefill worker {decision.prefill_worker}"
-    assert decode is not None and decode.role == DECODE, f"bad decode worker {decision.decode_worker}"
+    assert prefill is not None and prefill.role is WorkerRole.PREFILL, f"bad prefill worker {decision.prefill_worker}"
+    assert decode is not None and decode.role is WorkerRole.DECODE, f"bad decode worker {decision.decode_worker}"
     need = decode_need_pages(request)
     assert decode.num_free_pages >= need, f"{decode.worker_id}: {decode.num_free_pages} free < {need}"
     reuse = decision.reuse
     assert 0 <= reuse.num_blocks <= max_reuse_blocks(request), f"reuse {reuse} over the cap"
     source = prefill if reuse.holder is None else snapshot.find(reuse.holder)
-    assert source is not None and source.role == PREFILL, f"bad holder {reuse.holder}"
+    assert source is not None and source.role is WorkerRole.PREFILL, f"bad holder {reuse.holder}"
     assert reuse.holder != prefill.worker_id, "holder must be another worker (None means own tiers)"
     assert source.usable_blocks >= reuse.num_blocks, f"{source.worker_id} holds fewer than {reuse}"
+    assert (decision.branch is RouteBranch.COLD) == (reuse.num_blocks == 0), f"branch {decision.branch} for {reuse}"
+    assert (decision.branch in (RouteBranch.PULL, RouteBranch.REPLICATE)) == (reuse.holder is not None), decision

@@ -1,80 +1,114 @@
 """The Conductor process: public ``Inference`` service, internal ``Registry`` service.
 
 Generate = validate (INVALID_ARGUMENT naming the field) -> admission (RESOURCE_EXHAUSTED at
-once when the queue is full) -> ``RequestLife.run`` (route, reserve, prefill, decode).
-The index is in memory by default or in Redis with ``--index redis://...`` (falling back to
-local knowledge while Redis is unreachable).
+once when the queue is full; a queued request waits for a running slot until its deadline or
+``max_queue_wait_s``, whichever is sooner) -> ``RequestLife.run`` (route, reserve, prefill,
+decode through the gRPC dispatcher). The index is in memory by default or in Redis with
+``--index redis://...`` (falling back to local knowledge while Redis is unreachable). The
+cost models come from ``--calibration FILE``: a corrupt file, or one made for another model
+than the workers serve, is an error naming it, never a silent default.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import logging
 import threading
-from collections import Counter
+import uuid
 
 import grpc
 
 import engine
-from conductor.admission import Admission, AdmissionConfig
+from conductor.admission import Admission
+from conductor.clock import Clock, SystemClock
 from conductor.cluster import Cluster
+from conductor.config import ConductorConfig
+from conductor.core import ConductorCore
+from conductor.grpc_dispatch import GrpcDispatcher
 from conductor.lifecycle import Refused, RequestLife
-from conductor.routing import get_policy, policy_names
-from conductor.validation import Limits, validate
-from deploy.grpc_server import serve_until_signal, start_server
+from conductor.records import RequestRecords
+from conductor.routing import PolicyContext, make_policy
+from conductor.validation import validate
+from costmodel import CalibrationError, CostModels
+from costmodel.builtin import tiny_cpu_estimate
 from kvstore.index import GlobalIndex
 from kvstore.index_memory import MemoryIndex
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc as pgrpc
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
+from runtime.grpc_server import serve_until_signal, start_server
+from runtime.settings import parse_config
 
 log = logging.getLogger(__name__)
 
+def load_costs(config: ConductorConfig) -> CostModels:
+    """The calibration named by the config, or the built-in estimate (with a warning).
+    ``CalibrationError`` naming the file when it is missing, corrupt or of the wrong format."""
+    if config.calibration:
+        costs = CostModels.load(config.calibration)
+        log.info("cost models from %s (%s grid, model %s, %s, %d threads)", config.calibration, costs.info.grid,
+                 costs.info.model_fingerprint[:12], costs.info.device, costs.info.torch_threads)
+        return costs
+    log.warning("no --calibration given: the %s policy uses the built-in estimate for the tiny model on CPU; "
+                "run `tidekv calibrate` for this machine and model", config.policy)
+    return tiny_cpu_estimate()
+
+
+def calibration_check(config: ConductorConfig, costs: CostModels):
+    """A registration check: a worker serving another model than the calibration's is refused."""
+    expected = costs.info.model_fingerprint
+
+    def check(info: ipb.WorkerInfo) -> str | None:
+        if config.calibration and expected and info.model_fingerprint != expected:
+            return (f"calibration {config.calibration} was made for model {expected}, but worker "
+                    f"{info.worker_id} serves {info.model_fingerprint}: recalibrate with `tidekv calibrate`")
+        return None
+
+    return check
+
 
 class InferenceService(pgrpc.InferenceServicer):
-    def __init__(self, cluster: Cluster, model: str, policy: str, admission: Admission, limits: Limits):
-        self.cluster = cluster
-        self.cfg = engine.load_config(model)
-        self.tokenizer = engine.load_tokenizer(model)
-        self.policy = get_policy(policy)
-        self.admission = admission
-        self.limits = limits
+    def __init__(self, config: ConductorConfig, core: ConductorCore, dispatcher: GrpcDispatcher,
+                 admission: Admission, records: RequestRecords):
+        self.config, self.core, self.dispatcher, self.admission, self.records = (
+            config, core, dispatcher, admission, records)
+        self.cfg = engine.load_config(config.model)
+        self.tokenizer = engine.load_tokenizer(config.model)
+        self.limits = config.limits
         self._seq = itertools.count()
-        self.outcomes: Counter[str] = Counter()  # terminal outcomes, for tests and metrics
-        self._lock = threading.Lock()
 
-    def _count(self, outcome: str) -> None:
-        with self._lock:
-            self.outcomes[outcome] += 1
+    @property
+    def outcomes(self):
+        return self.records.outcomes
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         try:
             valid = validate(request, self.cfg, self.tokenizer, self.limits)
         except ValueError as e:
-            self._count("invalid")
+            self.records.count("invalid")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        refusal = self.admission.try_enter(timeout_s=min(valid.deadline_s, 30.0))
+        refusal = self.admission.try_enter(timeout_s=min(valid.deadline_s, self.config.max_queue_wait_s))
         if refusal is not None:
-            self._count("rejected")
+            self.records.count("rejected")
             context.set_trailing_metadata((("retry-after-s", "1"),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
-        life = RequestLife(self.cluster, self.policy, self.tokenizer, valid, request.request_id,
-                           next(self._seq), request.sampling)
+        life = RequestLife(self.core, self.dispatcher, self.tokenizer, valid, request.request_id or uuid.uuid4().hex,
+                           next(self._seq), self.config.max_prefill_attempts, self.records)
         context.add_callback(life.cancel)
         try:
             for msg in life.run():
                 if msg.finish_reason:
-                    self._count(pb.FinishReason.Name(msg.finish_reason))
+                    self.records.count(pb.FinishReason.Name(msg.finish_reason))
                 yield msg
         except Refused as e:
-            self._count("rejected")
-            context.set_trailing_metadata((("retry-after-s", f"{e.retry_after_s:g}"),))
+            self.records.count("rejected")
+            log.info("request %s rejected (%s): %s", life.request_id, e.reason, e)
+            context.set_trailing_metadata((("retry-after-s", f"{e.retry_after_s:g}"), ("reject-reason", e.reason)))
             context.abort(e.code, str(e))
         finally:
             if life.cancelled:
-                self._count("client_cancelled")
+                self.records.count("client_cancelled")
             self.admission.leave()
 
 
@@ -89,8 +123,11 @@ class RegistryService(igrpc.RegistryServicer):
                                     heartbeat_interval_s=self.heartbeat_interval_s)
 
     def Heartbeat(self, request: ipb.HeartbeatRequest, context: grpc.ServicerContext) -> ipb.HeartbeatResponse:
-        return ipb.HeartbeatResponse(known=self.cluster.heartbeat(request.worker_id, request.load,
-                                                                  list(request.events)))
+        try:
+            known = self.cluster.heartbeat(request.worker_id, request.load, list(request.events))
+        except ValueError as e:  # a malformed load or event from the worker
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return ipb.HeartbeatResponse(known=known)
 
     def Workers(self, request: ipb.WorkersRequest, context: grpc.ServicerContext) -> ipb.WorkersResponse:
         resp = ipb.WorkersResponse()
@@ -111,42 +148,37 @@ def make_index(url: str, ttl_s: float) -> GlobalIndex:
     raise ValueError(f"--index must be 'memory' or redis://HOST:PORT[/DB], got {url!r}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser("tidekv serve --role conductor")
-    p.add_argument("--model", default="tiny", help="model whose config and tokenizer the Conductor uses")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--policy", default="cache_aware", choices=policy_names())
-    p.add_argument("--index", default="memory", help="memory (embedded) or redis://127.0.0.1:6379")
-    p.add_argument("--worker-ttl-s", type=float, default=3.0)
-    p.add_argument("--max-running", type=int, default=16)
-    p.add_argument("--max-queued", type=int, default=64)
-    p.add_argument("--max-prompt-tokens", type=int, default=8000)
-    p.add_argument("--max-new-tokens", type=int, default=1024)
-    return p
+def build_core(config: ConductorConfig, cluster: Cluster, costs: CostModels, clock: Clock) -> ConductorCore:
+    policy = make_policy(config.policy, PolicyContext(config.routing, costs))
+    return ConductorCore(cluster, policy, config.slos, clock)
 
 
 def serve(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    index = make_index(args.index, args.worker_ttl_s)
-    cluster = Cluster(index)
-    admission = Admission(AdmissionConfig(args.max_running, args.max_queued))
-    limits = Limits(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens)
-    inference = InferenceService(cluster, args.model, args.policy, admission, limits)
-    registry = RegistryService(cluster, heartbeat_interval_s=0.5)
+    config = parse_config(ConductorConfig, argv, prog="tidekv serve --role conductor")
+    try:
+        costs = load_costs(config)
+    except CalibrationError as e:
+        raise SystemExit(f"tidekv conductor: {e}") from e
+    index = make_index(config.index, config.worker_ttl_s)
+    cluster = Cluster(index, check=calibration_check(config, costs))
+    records = RequestRecords()
+    core = build_core(config, cluster, costs, SystemClock())
+    inference = InferenceService(config, core, GrpcDispatcher(cluster), Admission(config.admission), records)
+    registry = RegistryService(cluster, config.heartbeat_interval_s)
     running = start_server(
         [lambda s: pgrpc.add_InferenceServicer_to_server(inference, s),
          lambda s: igrpc.add_RegistryServicer_to_server(registry, s)],
-        ["tidekv.v1.Inference", "tidekv.v1.Registry"], args.host, args.port,
-        max_workers=args.max_running + args.max_queued + 32,
+        ["tidekv.v1.Inference", "tidekv.v1.Registry"], config.host, config.port,
+        max_workers=config.max_running + config.max_queued + 32,
     )
     stop = threading.Event()
 
     def reap() -> None:
-        while not stop.wait(args.worker_ttl_s):
+        while not stop.wait(config.worker_ttl_s):
             for worker_id in index.reap_expired():
                 log.warning("worker %s stopped heartbeating; dropped with its blocks", worker_id)
 
     threading.Thread(target=reap, name="reaper", daemon=True).start()
-    print(f"tidekv conductor serving on {running.address} (policy {args.policy}, index {args.index})", flush=True)
-    serve_until_signal(running, on_stop=lambda: (stop.set(), index.close()))
+    print(f"tidekv conductor serving on {running.address} (policy {config.policy}, index {config.index})",
+          flush=True)
+    serve_until_signal(running, grace_s=config.drain_timeout_s, on_stop=lambda: (stop.set(), index.close()))

@@ -20,6 +20,7 @@ class Limits:
     default_deadline_s: float = 300.0
     max_request_id_len: int = 64
     max_tenant_len: int = 128
+    max_slo_s: float = 3600.0
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class ValidRequest:
     params: SamplingParams
     deadline_s: float
     tenant: str
+    ttft_slo_s: float = 0.0  # 0: the tenant's or the cluster's
+    tbt_slo_s: float = 0.0
 
 
 def validate(req: pb.GenerateRequest, cfg: ModelConfig, tokenizer: Tokenizer, limits: Limits) -> ValidRequest:
@@ -62,4 +65,13 @@ def validate(req: pb.GenerateRequest, cfg: ModelConfig, tokenizer: Tokenizer, li
         raise ValueError(f"sampling.{e}") from e
     if not 0 <= req.deadline_s <= limits.max_deadline_s or not math.isfinite(req.deadline_s):
         raise ValueError(f"deadline_s must be in [0, {limits.max_deadline_s}], got {req.deadline_s}")
-    return ValidRequest(tuple(ids), params, req.deadline_s or limits.default_deadline_s, req.tenant)
+    _check_slos(req, limits)
+    return ValidRequest(tuple(ids), params, req.deadline_s or limits.default_deadline_s, req.tenant,
+                        req.ttft_slo_s, req.tbt_slo_s)
+
+
+def _check_slos(req: pb.GenerateRequest, limits: Limits) -> None:
+    for name in ("ttft_slo_s", "tbt_slo_s"):
+        value = getattr(req, name)
+        if not math.isfinite(value) or not 0 <= value <= limits.max_slo_s:
+            raise ValueError(f"{name} must be in [0, {limits.max_slo_s}] seconds (0: the default), got {value}")

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import CacheManager, HybridModel, SamplingParams, SequenceCache, sample
+from kvstore.index import WorkerLoad
 
 log = logging.getLogger(__name__)
 
@@ -111,16 +112,17 @@ class DecodeScheduler:
                     return True
             return False
 
-    def load(self) -> dict[str, int]:
+    def load(self) -> WorkerLoad:
+        """Reserved and waiting requests count as queued (joining); the heartbeat payload."""
         with self._lock:
-            return {
-                "queue_len": len(self._waiting),
-                "num_running": len(self._running),
-                "num_reserved": len(self._reserved),
-                "num_free_pages": self.cache.pool.num_free,
-                "num_pages_total": self.cache.pool.num_pages,
-                "num_tokens_in_flight": sum(r.seq.num_tokens for r in self._running.values()),
-            }
+            running = list(self._running.values())
+            ids = [*self._reserved, *(r.seq.request_id for r in self._waiting), *(r.seq.request_id for r in running)]
+            return WorkerLoad(
+                num_queued=len(self._reserved) + len(self._waiting), num_running=len(running),
+                num_free_pages=self.cache.pool.num_free,
+                num_context_tokens=sum(r.seq.num_tokens for r in running),
+                request_ids=tuple(ids), timestamp_s=time.time(),
+            )
 
     def drain(self, timeout_s: float) -> None:
         """Refuses new reservations and waits until every held request has ended."""

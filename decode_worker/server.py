@@ -7,7 +7,6 @@ is cancelled and its cache freed.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import queue
 import uuid
@@ -15,17 +14,18 @@ import uuid
 import grpc
 
 import engine
+from decode_worker.config import DecodeConfig
 from decode_worker.scheduler import DecodeScheduler, Finished
 from decode_worker.sink import expected_for, sink_for
-from deploy.grpc_server import serve_until_signal, start_server
-from deploy.settings import setup_torch, worker_parser
-from deploy.worker_link import WorkerLink
 from kvstore.transfer.base import TransferConfig, TransferError
 from kvstore.transfer.receiver import Receiver
 from proto import inference_pb2 as pb
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
 from proto.convert import sampling_from_proto
+from runtime.grpc_server import serve_until_signal, start_server
+from runtime.settings import parse_config, setup_torch
+from runtime.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +48,9 @@ class DecodeService(igrpc.DecodeServicer):
         if seq is None and self.scheduler.draining:
             context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining for shutdown")
         if seq is None:
-            load = self.scheduler.load()
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"decode cache full: {n} tokens need {self.scheduler.cache.pages_for(n)} pages, "
-                          f"{load['num_free_pages']} free")
+                          f"{self.scheduler.cache.pool.num_free} free")
         deadline = request.deadline_s or self.transfer_deadline_s
         self.receiver.expect(request.request_id, sink_for(self.scheduler.cache, seq),
                              expected_for(self.scheduler.cache, request.prompt_tokens), deadline)
@@ -88,41 +87,28 @@ class DecodeService(igrpc.DecodeServicer):
 
     def Stats(self, request: ipb.StatsRequest, context: grpc.ServicerContext) -> ipb.WorkerStats:
         load = self.scheduler.load()
-        return ipb.WorkerStats(num_free_pages=load["num_free_pages"], num_pages_total=load["num_pages_total"],
-                               num_live_requests=load["num_running"] + load["num_reserved"] + load["queue_len"])
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = worker_parser("decode", num_pages=2048)
-    p.add_argument("--num-slots", type=int, default=64, help="KDA state slots: most requests held at once")
-    p.add_argument("--max-batch", type=int, default=32)
-    p.add_argument("--transfer-deadline-s", type=float, default=60.0)
-    return p
+        return ipb.WorkerStats(num_free_pages=load.num_free_pages, num_pages_total=self.scheduler.cache.pool.num_pages,
+                               num_live_requests=len(load.request_ids))
 
 
 def serve(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    setup_torch(args.threads or None)
-    model = engine.load_model(args.model, device=args.device)
-    scheduler = DecodeScheduler(model, args.num_pages, args.num_slots, args.block_size, args.max_batch)
-    receiver = Receiver(TransferConfig(deadline_s=args.transfer_deadline_s, bind_host=args.host),
-                        backends=args.transfer_backend)
-    service = DecodeService(scheduler, receiver, args.transfer_deadline_s)
+    cfg = parse_config(DecodeConfig, argv, prog="tidekv serve --role decode")
+    cfg.require_conductor()
+    setup_torch(cfg.threads or None)
+    model = engine.load_model(cfg.model, device=cfg.device)
+    scheduler = DecodeScheduler(model, cfg.num_pages, cfg.num_slots, cfg.block_size, cfg.max_batch)
+    receiver = Receiver(TransferConfig(deadline_s=cfg.transfer_deadline_s, bind_host=cfg.host,
+                                       advertise_host=cfg.advertised_host), backends=cfg.transfer_backend)
+    service = DecodeService(scheduler, receiver, cfg.transfer_deadline_s)
     running = start_server([lambda s: igrpc.add_DecodeServicer_to_server(service, s)],
-                           ["tidekv.v1.Decode"], args.host, args.port)
-    worker_id = args.worker_id or f"decode-{uuid.uuid4().hex[:6]}"
+                           ["tidekv.v1.Decode"], cfg.host, cfg.port, advertise_host=cfg.advertised_host)
+    worker_id = cfg.worker_id or f"decode-{uuid.uuid4().hex[:6]}"
     info = ipb.WorkerInfo(worker_id=worker_id, role=ipb.WORKER_ROLE_DECODE, rpc_address=running.address,
                           transfer_address=receiver.address, model_fingerprint=model.fingerprint,
-                          block_size=args.block_size, num_pages_total=args.num_pages)
-
-    def load() -> ipb.WorkerLoad:
-        s = scheduler.load()
-        return ipb.WorkerLoad(queue_len=s["queue_len"], num_running_requests=s["num_running"],
-                              num_free_pages=s["num_free_pages"], num_tokens_in_flight=s["num_tokens_in_flight"])
-
-    link = WorkerLink(args.conductor, info, load)
+                          block_size=cfg.block_size, num_pages_total=cfg.num_pages)
+    link = WorkerLink(cfg.conductor, info, scheduler.load)
     scheduler.start()
     link.start()
     print(f"tidekv decode worker {worker_id} serving on {running.address}", flush=True)
-    serve_until_signal(running, on_stop=lambda: (link.stop(), scheduler.stop(), receiver.close()),
-                       drain=scheduler.drain)
+    serve_until_signal(running, grace_s=cfg.drain_timeout_s,
+                       on_stop=lambda: (link.stop(), scheduler.stop(), receiver.close()), drain=scheduler.drain)

@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-from deploy.settings import setup_torch
+from runtime.settings import setup_torch
 
 DEMO_PROMPT = "Tidekv keeps every finished block of KV cache so the next request does not recompute it. "
 
@@ -75,8 +75,8 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from deploy.grpc_server import wait_for_signal
     from deploy.local import ClusterConfig, LocalCluster
+    from runtime.grpc_server import wait_for_signal
 
     cluster = LocalCluster(ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, model=args.model,
                                          policy=args.policy, index=args.index, port=args.port,
@@ -126,12 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill", type=int, default=1)
     up.add_argument("--decode", type=int, default=1)
     up.add_argument("--model", default="tiny")
-    up.add_argument("--policy", default="cache_aware")
+    up.add_argument("--policy", default="mooncake")
     up.add_argument("--index", default="memory", help="memory or redis://127.0.0.1:6379")
     up.add_argument("--port", type=int, default=50051)
-    up.add_argument("--data-dir", default="")
+    up.add_argument("--data-dir", default="", help="logs, SSD tiers and the calibration (default: a temporary "
+                                                   "directory; the calibration then goes to ~/.cache/tidekv)")
+    up.add_argument("--calibration", default="", help="cost-model file for the Conductor (default: calibrate "
+                                                      "once per model and machine)")
     up.add_argument("--demo", action="store_true", help="run the demo requests, then stop")
     up.set_defaults(func=_cmd_up)
+    from costmodel.cli import add_calibrate_parser
+
+    add_calibrate_parser(sub)
     serve = sub.add_parser("serve", help="run one process of a cluster", add_help=False)
     serve.add_argument("--role", required=True, choices=["conductor", "prefill", "decode"])
     serve.set_defaults(func=_cmd_serve)

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import grpc
 
-from deploy.grpc_server import channel
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
+from runtime.grpc_server import channel
 
 
 def free_port() -> int:
@@ -36,8 +36,9 @@ class ClusterConfig:
     num_prefill: int = 1
     num_decode: int = 1
     model: str = "tiny"
-    policy: str = "cache_aware"
+    policy: str = "mooncake"
     index: str = "memory"
+    calibration: str = ""  # cost-model file for the Conductor ("" = its built-in estimate)
     port: int = 0
     data_dir: str = ""
     threads_per_process: int = 1
@@ -75,8 +76,9 @@ class LocalCluster:
 
     def _spawn_conductor(self) -> None:
         c = self.config
+        calibration = ["--calibration", c.calibration] if c.calibration else []
         self._spawn("conductor", "conductor", ["--port", str(self.port), "--model", c.model, "--policy", c.policy,
-                                              "--index", c.index, *c.conductor_args])
+                                              "--index", c.index, *calibration, *c.conductor_args])
 
     def restart_conductor(self, timeout_s: float = 60.0) -> None:
         """Kills the Conductor (SIGKILL: no drain) and starts a new one on the same port; the

@@ -106,25 +106,55 @@ class WorkerInfo:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class WorkerLoad:
-    """A worker's load as of ``timestamp_s`` (the worker's wall clock, seconds since the epoch)."""
+class PrefillJobLoad:
+    """One prefill a worker holds: queued (``elapsed_s == 0``) or running."""
 
-    queue_len: int = 0
-    num_running_requests: int = 0
+    request_id: str
+    num_new_tokens: int
+    num_reused_tokens: int = 0
+    elapsed_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.num_new_tokens < 0 or self.num_reused_tokens < 0 or self.elapsed_s < 0:
+            raise ValueError(f"prefill job {self.request_id!r}: negative count in {self}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """A worker's load as of ``timestamp_s`` (the worker's wall clock, seconds since the epoch).
+
+    The one load value from the wire (``proto.convert.load_from_proto``) through the index to
+    the routing snapshot. Prefill workers fill ``prefill_jobs`` (queued and running prefills);
+    decode workers fill ``num_queued`` (reserved, not yet decoding), ``num_running``,
+    ``num_context_tokens`` and ``request_ids`` (every request holding pages).
+    """
+
+    num_queued: int = 0
+    num_running: int = 0
     num_free_pages: int = 0
-    free_dram_bytes: int = 0
-    num_tokens_in_flight: int = 0
+    num_context_tokens: int = 0
+    prefill_jobs: tuple[PrefillJobLoad, ...] = ()
+    request_ids: tuple[str, ...] = ()
     timestamp_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            if getattr(self, field.name) < 0:
-                raise ValueError(f"{field.name} must be >= 0, got {getattr(self, field.name)}")
+        for name in ("num_queued", "num_running", "num_free_pages", "num_context_tokens", "timestamp_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @classmethod
     def initial(cls, info: WorkerInfo) -> WorkerLoad:
         """Load assumed between registration and the first heartbeat: idle, everything free."""
-        return cls(num_free_pages=info.num_pages_total, free_dram_bytes=info.dram_capacity_bytes)
+        return cls(num_free_pages=info.num_pages_total)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> WorkerLoad:
+        """Inverse of ``to_dict`` (JSON in the Redis index)."""
+        jobs = tuple(PrefillJobLoad(**j) for j in fields.get("prefill_jobs", ()))
+        return cls(**{**fields, "prefill_jobs": jobs, "request_ids": tuple(fields.get("request_ids", ()))})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

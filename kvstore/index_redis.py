@@ -255,7 +255,7 @@ class RedisIndex(GlobalIndex):
     def workers(self) -> list[tuple[WorkerInfo, WorkerLoad]]:
         flat = self._call(lambda: self._workers(args=[self.namespace]))
         pairs = [
-            (_info_from_json(flat[i]), WorkerLoad(**json.loads(flat[i + 1]))) for i in range(0, len(flat), 2)
+            (_info_from_json(flat[i]), WorkerLoad.from_dict(json.loads(flat[i + 1]))) for i in range(0, len(flat), 2)
         ]
         return sorted(pairs, key=lambda pair: pair[0].worker_id)
 

@@ -27,6 +27,7 @@ import torch
 
 from engine import HybridModel, SamplingParams, SequenceCache, sample
 from kvstore.hitrule import SnapshotPolicy
+from kvstore.index import PrefillJobLoad, WorkerLoad
 from kvstore.payload import BlockPayload, PayloadError, decode
 from kvstore.store import TieredStore
 from kvstore.transfer.base import TransferError
@@ -76,24 +77,45 @@ class PrefillRunner:
         self.draining = False
         self._waiting = 0
         self._count_lock = threading.Lock()
+        # request id -> (new tokens, reused tokens, perf_counter start or None while queued)
+        self._jobs: dict[str, tuple[int, int, float | None]] = {}
 
     @property
     def queue_len(self) -> int:
         return self._waiting
+
+    def load(self) -> WorkerLoad:
+        """Queued and running prefills (heartbeat payload). Thread-safe."""
+        now = time.perf_counter()
+        with self._count_lock:
+            jobs = tuple(PrefillJobLoad(rid, new, reused, 0.0 if start is None else now - start)
+                         for rid, (new, reused, start) in self._jobs.items())
+        running = sum(j.elapsed_s > 0 for j in jobs)
+        return WorkerLoad(num_queued=len(jobs) - running, num_running=running,
+                          num_free_pages=self.cache.pool.num_free, prefill_jobs=jobs, timestamp_s=time.time())
 
     def run(self, job: PrefillJob, is_cancelled: Callable[[], bool]) -> PrefillOutcome:
         bs = self.cache.block_size
         if len(job.block_keys) != len(job.token_ids) // bs:
             raise ValueError(f"{len(job.block_keys)} block keys for {len(job.token_ids)} tokens "
                              f"(block_size {bs} makes {len(job.token_ids) // bs} full blocks)")
+        reused = min(job.reuse_blocks * bs, len(job.token_ids) - 1)
         with self._count_lock:
             if self.draining:
                 raise Busy("prefill worker is draining for shutdown")
+            if job.request_id in self._jobs:
+                raise ValueError(f"request {job.request_id} is already prefilling here")
             self._waiting += 1
-        with self._engine_lock:
+            self._jobs[job.request_id] = (len(job.token_ids) - reused, reused, None)
+        try:
+            with self._engine_lock:
+                with self._count_lock:
+                    self._waiting -= 1
+                    self._jobs[job.request_id] = (len(job.token_ids) - reused, reused, time.perf_counter())
+                return self._run_locked(job, is_cancelled)
+        finally:
             with self._count_lock:
-                self._waiting -= 1
-            return self._run_locked(job, is_cancelled)
+                self._jobs.pop(job.request_id, None)
 
     def drain(self, timeout_s: float) -> None:
         """Refuses new prefills and waits (up to timeout_s) for the queued and running ones."""

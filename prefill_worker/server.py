@@ -7,7 +7,6 @@ routes, and heartbeats carry the rest (evictions between requests).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import tempfile
 import threading
@@ -16,16 +15,17 @@ import uuid
 import grpc
 
 import engine
-from deploy.grpc_server import serve_until_signal, start_server
-from deploy.settings import setup_torch, worker_parser
-from deploy.worker_link import WorkerLink
 from kvstore.store import StoreConfig, StoreEvent, TieredStore
 from kvstore.transfer.base import TransferConfig, TransferError
+from prefill_worker.config import PrefillConfig
 from prefill_worker.runner import Busy, Cancelled, PrefillJob, PrefillRunner
 from prefill_worker.transfers import TransferHub
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
 from proto.convert import block_event, sampling_from_proto
+from runtime.grpc_server import serve_until_signal, start_server
+from runtime.settings import parse_config, setup_torch
+from runtime.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -98,52 +98,39 @@ class PrefillService(igrpc.PrefillServicer):
         return sum(len(store.keys(t)) for t in store.tiers)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = worker_parser("prefill", num_pages=1024)
-    p.add_argument("--snapshot-interval-blocks", type=int, default=4, help="a KDA snapshot every N blocks")
-    p.add_argument("--dram-bytes", type=int, default=512 << 20)
-    p.add_argument("--ssd-bytes", type=int, default=1 << 30)
-    p.add_argument("--data-dir", default="", help="SSD tier directory (default: a temporary one)")
-    p.add_argument("--eviction", default="lru")
-    p.add_argument("--max-frame-bytes", type=int, default=32 << 20, help="largest KV frame sent to a decode worker")
-    return p
-
-
 def serve(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    setup_torch(args.threads or None)
-    model = engine.load_model(args.model, device=args.device)
-    cfg = model.cfg
-    state_bytes = cfg.kda_num_heads * cfg.kda_head_dim**2 * 4  # one KDA layer's state: one frame
-    if args.max_frame_bytes < state_bytes:
-        raise ValueError(f"--max-frame-bytes {args.max_frame_bytes} is below one KDA state ({state_bytes} bytes)")
-    worker_id = args.worker_id or f"prefill-{uuid.uuid4().hex[:6]}"
-    data_dir = args.data_dir or tempfile.mkdtemp(prefix=f"tidekv-{worker_id}-")
+    cfg = parse_config(PrefillConfig, argv, prog="tidekv serve --role prefill")
+    cfg.require_conductor()
+    setup_torch(cfg.threads or None)
+    model = engine.load_model(cfg.model, device=cfg.device)
+    mcfg = model.cfg
+    state_bytes = mcfg.kda_num_heads * mcfg.kda_head_dim**2 * 4  # one KDA layer's state: one frame
+    if cfg.max_frame_bytes < state_bytes:
+        raise ValueError(f"--max-frame-bytes {cfg.max_frame_bytes} is below one KDA state ({state_bytes} bytes)")
+    worker_id = cfg.worker_id or f"prefill-{uuid.uuid4().hex[:6]}"
+    data_dir = cfg.data_dir or tempfile.mkdtemp(prefix=f"tidekv-{worker_id}-")
     events = EventQueue()
-    store = TieredStore(StoreConfig(model_fingerprint=model.fingerprint, dram_capacity_bytes=args.dram_bytes,
-                                    ssd_capacity_bytes=args.ssd_bytes, ssd_dir=f"{data_dir}/ssd",
-                                    eviction_policy=args.eviction,
-                                    snapshot_interval_blocks=args.snapshot_interval_blocks),
+    store = TieredStore(StoreConfig(model_fingerprint=model.fingerprint, dram_capacity_bytes=cfg.dram_bytes,
+                                    ssd_capacity_bytes=cfg.ssd_bytes, ssd_dir=f"{data_dir}/ssd",
+                                    eviction_policy=cfg.eviction,
+                                    snapshot_interval_blocks=cfg.snapshot_interval_blocks),
                         on_event=events.on_event)
-    hub = TransferHub(TransferConfig(bind_host=args.host, max_frame_bytes=args.max_frame_bytes),
-                      args.transfer_backend)
-    runner = PrefillRunner(model, store, hub, args.num_pages, args.block_size, args.snapshot_interval_blocks)
+    hub = TransferHub(TransferConfig(bind_host=cfg.host, advertise_host=cfg.advertised_host,
+                                     max_frame_bytes=cfg.max_frame_bytes), cfg.transfer_backend)
+    runner = PrefillRunner(model, store, hub, cfg.num_pages, cfg.block_size, cfg.snapshot_interval_blocks)
     service = PrefillService(runner, hub, events)
     running = start_server([lambda s: igrpc.add_PrefillServicer_to_server(service, s)],
-                           ["tidekv.v1.Prefill"], args.host, args.port)
+                           ["tidekv.v1.Prefill"], cfg.host, cfg.port, advertise_host=cfg.advertised_host)
     info = ipb.WorkerInfo(worker_id=worker_id, role=ipb.WORKER_ROLE_PREFILL, rpc_address=running.address,
                           transfer_address=hub.address, model_fingerprint=model.fingerprint,
-                          block_size=args.block_size, num_pages_total=args.num_pages,
-                          dram_capacity_bytes=args.dram_bytes, ssd_capacity_bytes=args.ssd_bytes)
-
-    def load() -> ipb.WorkerLoad:
-        return ipb.WorkerLoad(queue_len=runner.queue_len, num_running_requests=len(runner.cache.live),
-                              num_free_pages=runner.cache.pool.num_free)
+                          block_size=cfg.block_size, num_pages_total=cfg.num_pages,
+                          dram_capacity_bytes=cfg.dram_bytes, ssd_capacity_bytes=cfg.ssd_bytes)
 
     def all_blocks() -> list[ipb.BlockEvent]:
         return [block_event(k, t, store.has_snapshot(k)) for t in store.tiers for k in store.keys(t)]
 
-    link = WorkerLink(args.conductor, info, load, all_blocks, drain_events=events.drain)
+    link = WorkerLink(cfg.conductor, info, runner.load, all_blocks, drain_events=events.drain)
     link.start()
     print(f"tidekv prefill worker {worker_id} serving on {running.address} (data {data_dir})", flush=True)
-    serve_until_signal(running, on_stop=lambda: (link.stop(), hub.close(), store.close()), drain=runner.drain)
+    serve_until_signal(running, grace_s=cfg.drain_timeout_s,
+                       on_stop=lambda: (link.stop(), hub.close(), store.close()), drain=runner.drain)

@@ -12,7 +12,6 @@ import threading
 
 import grpc
 
-from deploy.grpc_server import channel
 from kvstore.transfer.base import Expected, TransferConfig, TransferError
 from kvstore.transfer.frames import Kind
 from kvstore.transfer.receiver import Receiver
@@ -20,6 +19,7 @@ from kvstore.transfer.sender import Sender, connect
 from kvstore.transfer.sinks import BlobSink
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
+from runtime.grpc_server import channel
 
 
 class TransferHub:

@@ -1,9 +1,14 @@
-"""Conversions between wire messages and in-process values used on both sides of an RPC."""
+"""Conversions between wire messages and in-process values used on both sides of an RPC.
+
+Each wire value has one in-process twin and one conversion each way, here: sampling
+parameters, block events and worker loads. Nothing else converts them.
+"""
 
 from __future__ import annotations
 
 from engine.sampler import SamplingParams
 from kvstore.blocks import Tier
+from kvstore.index import BlockEvent, PrefillJobLoad, WorkerLoad
 from proto import inference_pb2 as pb
 from proto import internal_pb2 as ipb
 
@@ -17,5 +22,48 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
 
 
 def block_event(key: bytes, tier: Tier | None, has_snapshot: bool) -> ipb.BlockEvent:
-    """A stored/moved block at ``tier``, or a removed one (tier None -> -1 on the wire)."""
-    return ipb.BlockEvent(key=key, tier=-1 if tier is None else int(tier), has_snapshot=has_snapshot)
+    """A stored/moved block at ``tier``, or a removed one (``tier`` None)."""
+    if tier is None:
+        return ipb.BlockEvent(key=key, kind=ipb.BLOCK_EVENT_KIND_REMOVED)
+    return ipb.BlockEvent(key=key, tier=int(tier), has_snapshot=has_snapshot, kind=ipb.BLOCK_EVENT_KIND_STORED)
+
+
+def block_event_from_proto(worker_id: str, e: ipb.BlockEvent) -> BlockEvent:
+    """``ValueError`` for an event of unknown kind or tier (a peer's broken contract)."""
+    if e.kind == ipb.BLOCK_EVENT_KIND_REMOVED:
+        return BlockEvent.removed(worker_id, e.key)
+    if e.kind == ipb.BLOCK_EVENT_KIND_STORED:
+        return BlockEvent.stored(worker_id, e.key, Tier(e.tier), e.has_snapshot)
+    raise ValueError(f"block event from {worker_id}: kind {e.kind} is neither STORED nor REMOVED")
+
+
+def load_to_proto(load: WorkerLoad) -> ipb.WorkerLoad:
+    return ipb.WorkerLoad(
+        num_queued=load.num_queued, num_running=load.num_running, num_free_pages=load.num_free_pages,
+        num_context_tokens=load.num_context_tokens, request_ids=list(load.request_ids),
+        timestamp_s=load.timestamp_s,
+        prefill_jobs=[ipb.PrefillJobLoad(request_id=j.request_id, num_new_tokens=j.num_new_tokens,
+                                         num_reused_tokens=j.num_reused_tokens, elapsed_s=j.elapsed_s)
+                      for j in load.prefill_jobs],
+    )
+
+
+def load_from_proto(load: ipb.WorkerLoad) -> WorkerLoad:
+    return WorkerLoad(
+        num_queued=load.num_queued, num_running=load.num_running, num_free_pages=load.num_free_pages,
+        num_context_tokens=load.num_context_tokens, request_ids=tuple(load.request_ids),
+        timestamp_s=load.timestamp_s,
+        prefill_jobs=tuple(PrefillJobLoad(j.request_id, j.num_new_tokens, j.num_reused_tokens, j.elapsed_s)
+                           for j in load.prefill_jobs),
+    )
+
+
+def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(max_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                             seed=p.seed, stop_token_ids=list(p.stop_token_ids))
+
+
+FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+                pb.FINISH_REASON_CANCELLED: "cancelled", pb.FINISH_REASON_FAILED: "failed",
+                pb.FINISH_REASON_REJECTED: "rejected"}
+FINISH_CODES = {name: code for code, name in FINISH_NAMES.items()}

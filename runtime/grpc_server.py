@@ -32,10 +32,12 @@ class RunningServer:
     port: int
     health: health.HealthServicer
     service_names: tuple[str, ...]
+    advertise_host: str = "127.0.0.1"
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        """host:port that other processes dial (the advertised host, not the bound one)."""
+        return f"{self.advertise_host}:{self.port}"
 
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -49,8 +51,10 @@ class RunningServer:
 
 def start_server(
     add_services: Sequence[Callable[[grpc.Server], None]], service_names: Sequence[str],
-    host: str = "127.0.0.1", port: int = 0, max_workers: int = 64,
+    host: str = "127.0.0.1", port: int = 0, max_workers: int = 64, advertise_host: str = "",
 ) -> RunningServer:
+    """Binds ``host:port`` and starts serving (health SERVING). ``advertise_host`` (default:
+    ``host``, loopback for a wildcard) is the host in ``RunningServer.address``."""
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                ("grpc.so_reuseport", 0)]
@@ -64,7 +68,9 @@ def start_server(
     if bound == 0:
         raise RuntimeError(f"cannot bind {host}:{port}")
     server.start()
-    running = RunningServer(server, bound, health_servicer, tuple(service_names))
+    if not advertise_host:
+        advertise_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    running = RunningServer(server, bound, health_servicer, tuple(service_names), advertise_host)
     running.set_serving(True)
     return running
 

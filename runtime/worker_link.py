@@ -14,15 +14,17 @@ from collections.abc import Callable
 
 import grpc
 
-from deploy.grpc_server import channel
+from kvstore.index import WorkerLoad
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
+from proto.convert import load_to_proto
+from runtime.grpc_server import channel
 
 log = logging.getLogger(__name__)
 
 
 class WorkerLink:
-    def __init__(self, conductor_address: str, info: ipb.WorkerInfo, load: Callable[[], ipb.WorkerLoad],
+    def __init__(self, conductor_address: str, info: ipb.WorkerInfo, load: Callable[[], WorkerLoad],
                  all_blocks: Callable[[], list[ipb.BlockEvent]] = list,
                  drain_events: Callable[[], list[ipb.BlockEvent]] = list, interval_s: float = 0.5):
         self.info = info
@@ -61,6 +63,8 @@ class WorkerLink:
             log.error("conductor refused registration: %s", resp.reason)
             return
         self._registered = True
+        if resp.heartbeat_interval_s > 0:
+            self._interval_s = resp.heartbeat_interval_s
         with self._lock:
             self._pending = self._all_blocks() + self._pending
 
@@ -68,8 +72,9 @@ class WorkerLink:
         with self._lock:
             events, self._pending = self._pending + self._drain_events(), []
         try:
-            resp = self._stub.Heartbeat(
-                ipb.HeartbeatRequest(worker_id=self.info.worker_id, load=self._load(), events=events), timeout=5)
+            request = ipb.HeartbeatRequest(worker_id=self.info.worker_id, load=load_to_proto(self._load()),
+                                           events=events)
+            resp = self._stub.Heartbeat(request, timeout=5)
         except grpc.RpcError:
             with self._lock:
                 self._pending = events + self._pending

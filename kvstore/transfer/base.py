@@ -43,6 +43,7 @@ class TransferConfig:
     max_inflight_bytes: int = 128 * MIB
     max_frame_bytes: int = 32 * MIB
     bind_host: str = "127.0.0.1"
+    advertise_host: str = ""  # the host put in listener addresses (default: the bound one)
     checksum: ChecksumAlgo = field(default_factory=default_checksum_algo)
     # UCX options for ucxx.init (without the UCX_ prefix); the default keeps UCX on loopback TCP.
     ucx_options: tuple[tuple[str, str], ...] = (("TLS", "tcp"), ("NET_DEVICES", "lo"))

@@ -82,7 +82,7 @@ class TcpBackend:
         factory = serve_factory(config, _plain_link, on_link, tasks)
         server = await asyncio.get_running_loop().create_server(factory, config.bind_host, 0)
         host, port = server.sockets[0].getsockname()[:2]
-        return StreamListener(str(Address("tcp", host=host, port=port)), server, tasks)
+        return StreamListener(str(Address("tcp", host=config.advertise_host or host, port=port)), server, tasks)
 
     async def connect(self, address: Address, config: TransferConfig) -> StreamSendLink:
         conn = await open_tcp(address, config)

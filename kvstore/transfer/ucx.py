@@ -238,7 +238,7 @@ class UcxBackend:
         factory = serve_factory(config, make_link, on_link, tasks)
         server = await asyncio.get_running_loop().create_server(factory, config.bind_host, 0)
         host, port = server.sockets[0].getsockname()[:2]
-        return StreamListener(str(Address("ucx", host=host, port=port)), server, tasks)
+        return StreamListener(str(Address("ucx", host=config.advertise_host or host, port=port)), server, tasks)
 
     async def connect(self, address: Address, config: TransferConfig) -> UcxSendLink:
         ensure_ucx(config)

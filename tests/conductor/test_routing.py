@@ -10,30 +10,44 @@ import pytest
 from conductor.policies import CacheAwareConfig, make_cache_aware
 from conductor.routing import (
     ClusterSnapshot,
+    Policy,
+    PolicyContext,
     Rejection,
     ReusePlan,
+    RouteBranch,
     RouteDecision,
     RouteRequest,
     WorkerView,
     check_decision,
     decode_need_pages,
-    get_policy,
+    make_policy,
     max_reuse_blocks,
     plan_reuse,
     policy_names,
     register_policy,
 )
+from costmodel import CostModels
+from kvstore.index import PrefillJobLoad
 
 BLOCK_SIZE = 4
+# Every registered policy is built from this context; time-aware ones read these costs.
+CONTEXT = PolicyContext(costs=CostModels.analytic(prefill_s_per_token=1e-3, decode_base_s=0.01,
+                                                  decode_s_per_request=1e-3))
 
 
-def prefill(worker_id: str, **fields: int | None) -> WorkerView:
-    return WorkerView(worker_id, "prefill", f"rpc-{worker_id}", f"xfer-{worker_id}", **fields)
+def get_policy(name: str) -> Policy:
+    return make_policy(name, CONTEXT)
+
+
+def prefill(worker_id: str, queue_len: int = 0, queued_tokens: int = 100, **fields) -> WorkerView:
+    """A prefill worker holding ``queue_len`` prefills of ``queued_tokens`` new tokens each."""
+    jobs = tuple(PrefillJobLoad(f"{worker_id}-q{i}", queued_tokens) for i in range(queue_len))
+    return WorkerView(worker_id, "prefill", f"rpc-{worker_id}", f"tcp://xfer-{worker_id}", prefill_jobs=jobs, **fields)
 
 
 def decode(worker_id: str, num_free_pages: int = 100, **fields: int) -> WorkerView:
     return WorkerView(
-        worker_id, "decode", f"rpc-{worker_id}", f"xfer-{worker_id}", num_free_pages=num_free_pages, **fields
+        worker_id, "decode", f"rpc-{worker_id}", f"tcp://xfer-{worker_id}", num_free_pages=num_free_pages, **fields
     )
 
 
@@ -146,12 +160,12 @@ def test_round_robin_skips_forward_past_a_full_decode_worker() -> None:
 # --- least loaded ---------------------------------------------------------------------
 
 
-def test_least_loaded_prefill_orders_by_queue_then_running_then_tokens() -> None:
+def test_least_loaded_prefill_orders_by_queue_then_tokens() -> None:
     workers = [
-        prefill("a", queue_len=2),
-        prefill("b", queue_len=1, num_running=3),
-        prefill("c", queue_len=1, num_running=2, num_tokens_in_flight=900),
-        prefill("d", queue_len=1, num_running=2, num_tokens_in_flight=100, usable_blocks=0),
+        prefill("a", queue_len=2, queued_tokens=10),
+        prefill("c", queue_len=1, queued_tokens=900),
+        prefill("d", queue_len=1, queued_tokens=100, usable_blocks=0),
+        prefill("e", queue_len=1, queued_tokens=100),
     ]
     assert route("least_loaded", snapshot(workers, [decode("x")]), request()).prefill_worker == "d"
 
@@ -170,7 +184,7 @@ def test_least_loaded_decode_prefers_fewest_running_then_most_free_among_fitting
 def test_least_loaded_still_pulls_a_prefix_it_does_not_hold() -> None:
     workers = [prefill("idle"), prefill("busy", queue_len=3, usable_blocks=4, usable_tier=1)]
     decision = route("least_loaded", snapshot(workers, [decode("d")]), request(17))
-    assert decision == RouteDecision("idle", "d", ReusePlan(num_blocks=4, holder="busy"))
+    assert decision == RouteDecision("idle", "d", ReusePlan(num_blocks=4, holder="busy"), RouteBranch.PULL)
 
 
 # --- cache aware ----------------------------------------------------------------------
@@ -183,7 +197,7 @@ def test_cache_aware_picks_the_deepest_prefix_when_balanced() -> None:
         prefill("c", queue_len=1, usable_blocks=1, usable_tier=0),
     ]
     decision = route("cache_aware", snapshot(workers, [decode("d")]), request(17))
-    assert decision == RouteDecision("b", "d", ReusePlan(num_blocks=3, holder=None))
+    assert decision == RouteDecision("b", "d", ReusePlan(num_blocks=3, holder=None), RouteBranch.LOCAL)
 
 
 def test_cache_aware_breaks_depth_ties_by_load() -> None:
@@ -202,7 +216,7 @@ def test_cache_aware_compares_depths_after_the_cap() -> None:
         prefill("near", queue_len=1, usable_blocks=3, usable_tier=0),
     ]
     decision = route("cache_aware", snapshot(workers, [decode("d")]), request(16))
-    assert decision == RouteDecision("near", "d", ReusePlan(num_blocks=3, holder=None))
+    assert decision == RouteDecision("near", "d", ReusePlan(num_blocks=3, holder=None), RouteBranch.LOCAL)
 
 
 def test_cache_aware_switches_to_least_loaded_when_imbalanced() -> None:
@@ -211,7 +225,7 @@ def test_cache_aware_switches_to_least_loaded_when_imbalanced() -> None:
         prefill("cold", queue_len=1),
     ]
     decision = route("cache_aware", snapshot(workers, [decode("d")]), request(17))
-    assert decision == RouteDecision("cold", "d", ReusePlan(num_blocks=4, holder="hot"))
+    assert decision == RouteDecision("cold", "d", ReusePlan(num_blocks=4, holder="hot"), RouteBranch.PULL)
 
 
 @pytest.mark.parametrize(
@@ -243,7 +257,7 @@ def test_cache_aware_config_is_injectable_and_validated() -> None:
         CacheAwareConfig(balance_rel_threshold=0.5)
 
 
-@pytest.mark.parametrize("name", ["round_robin", "least_loaded", "cache_aware"])
+@pytest.mark.parametrize("name", ["round_robin", "least_loaded", "cache_aware", "kv_cost", "random"])
 def test_builtin_policies_reuse_the_deepest_capped_prefix_anywhere(name: str) -> None:
     # Whichever worker is chosen, it reuses (locally or by pulling) the deepest prefix: p0's
     # 10 blocks capped to 4 for a 17-token prompt.
@@ -255,7 +269,7 @@ def test_builtin_policies_reuse_the_deepest_capped_prefix_anywhere(name: str) ->
 
 
 def test_registry_lists_the_builtin_policies() -> None:
-    assert {"round_robin", "least_loaded", "cache_aware"} <= set(policy_names())
+    assert {"round_robin", "least_loaded", "cache_aware", "kv_cost", "random", "mooncake"} <= set(policy_names())
     assert policy_names() == sorted(policy_names())
 
 
@@ -267,8 +281,13 @@ def test_unknown_policy_names_the_registered_ones() -> None:
 def test_a_name_cannot_be_registered_twice() -> None:
     original = get_policy("round_robin")
     with pytest.raises(ValueError, match="already registered"):
-        register_policy("round_robin")(lambda snap, req: Rejection("x", 0.0))
+        register_policy("round_robin")(lambda context: lambda snap, req: Rejection("x", 0.0))
     assert get_policy("round_robin") is original
+
+
+def test_a_policy_that_needs_cost_models_says_so() -> None:
+    with pytest.raises(ValueError, match="mooncake.*cost models"):
+        make_policy("mooncake", PolicyContext())
 
 
 def test_inputs_that_break_the_contract_raise_with_the_numbers() -> None:
@@ -279,7 +298,7 @@ def test_inputs_that_break_the_contract_raise_with_the_numbers() -> None:
     with pytest.raises(ValueError, match="duplicate"):
         snapshot([prefill("w")], [decode("w")])
     with pytest.raises(ValueError, match="negative"):
-        prefill("p", queue_len=-1)
+        prefill("p", num_free_pages=-1)
 
 
 # --- contract: every registered policy ------------------------------------------------
@@ -296,10 +315,10 @@ def busy_cluster() -> ClusterSnapshot:
     return snapshot(
         [
             prefill("p0", queue_len=1, usable_blocks=10, usable_tier=2),
-            prefill("p1", queue_len=7, num_running=2, usable_blocks=4, usable_tier=0),
-            prefill("p2", num_tokens_in_flight=64, usable_blocks=2, usable_tier=1),
+            prefill("p1", queue_len=7, usable_blocks=4, usable_tier=0),
+            prefill("p2", queue_len=1, queued_tokens=64, usable_blocks=2, usable_tier=1),
         ],
-        [decode("d0", 30, num_running=3), decode("d1", 5), decode("d2", 12, num_running=1, queue_len=2)],
+        [decode("d0", 30, num_running=3), decode("d1", 5), decode("d2", 12, num_running=1, num_queued=2)],
     )
 
 

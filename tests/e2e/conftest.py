@@ -11,7 +11,7 @@ WORKER_ARGS = ("--block-size", str(BLOCK), "--snapshot-interval-blocks", str(SNA
 DECODE_ARGS = ("--block-size", str(BLOCK), "--num-pages", "1024")
 
 
-def make_cluster(num_prefill: int, num_decode: int, policy: str = "cache_aware", conductor_args=()):
+def make_cluster(num_prefill: int, num_decode: int, policy: str = "mooncake", conductor_args=()):
     return LocalCluster(ClusterConfig(num_prefill=num_prefill, num_decode=num_decode, policy=policy,
                                       prefill_args=WORKER_ARGS, decode_args=DECODE_ARGS,
                                       conductor_args=tuple(conductor_args)))

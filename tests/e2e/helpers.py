@@ -4,9 +4,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from conductor.client import Client, Completion
-from deploy.grpc_server import channel
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
+from runtime.grpc_server import channel
 
 
 def prompt(n: int, salt: int) -> list[int]:

@@ -9,11 +9,11 @@ import pytest
 
 import engine
 from conductor.client import Client
-from deploy.grpc_server import channel
 from deploy.local import ClusterConfig, LocalCluster
 from proto import inference_pb2 as pb
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
+from runtime.grpc_server import channel
 from tests.e2e.conftest import DECODE_ARGS, WORKER_ARGS
 from tests.e2e.helpers import prompt, run_all
 

@@ -13,6 +13,7 @@ from kvstore.blocks import Tier
 from kvstore.index import (
     BlockEvent,
     MatchSnapshot,
+    PrefillJobLoad,
     WorkerInfo,
     WorkerLoad,
     WorkerMatch,
@@ -124,8 +125,9 @@ def test_registry_heartbeat_and_loads(harness: Harness) -> None:
     index.register(w2)
     index.register(w1)
     assert index.workers() == [(w1, WorkerLoad.initial(w1)), (w2, WorkerLoad.initial(w2))]
-    load = WorkerLoad(queue_len=3, num_running_requests=2, num_free_pages=7, free_dram_bytes=99,
-                      num_tokens_in_flight=512, timestamp_s=1.7e9 + 0.25)  # fmt: skip
+    load = WorkerLoad(num_queued=3, num_running=2, num_free_pages=7, num_context_tokens=512,
+                      prefill_jobs=(PrefillJobLoad("r1", 100, 32, 0.5), PrefillJobLoad("r2", 7)),
+                      request_ids=("r3",), timestamp_s=1.7e9 + 0.25)  # fmt: skip
     assert index.heartbeat("w1", load) is True
     assert index.heartbeat("nobody", load) is False
     assert index.workers()[0] == (w1, load)
@@ -182,8 +184,10 @@ def test_invalid_inputs_raise_value_error(harness: Harness) -> None:
         BlockEvent("w1", KEYS[0], None, False, BlockEvent.stored("w", KEYS[0], D).kind)
     with pytest.raises(ValueError, match="num_pages_total"):
         WorkerInfo("w1", WorkerRole.DECODE, "a:1", -1, 0, 0)
-    with pytest.raises(ValueError, match="queue_len"):
-        WorkerLoad(queue_len=-1)
+    with pytest.raises(ValueError, match="num_queued"):
+        WorkerLoad(num_queued=-1)
+    with pytest.raises(ValueError, match="negative"):
+        PrefillJobLoad("r", -1)
 
 
 # --- memory mechanism: exact lease arithmetic, integrity, threads ------------------------

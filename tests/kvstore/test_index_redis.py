@@ -17,6 +17,7 @@ from kvstore.blocks import Tier, chain_keys
 from kvstore.index import (
     BlockEvent,
     IndexUnavailable,
+    PrefillJobLoad,
     WorkerLoad,
     WorkerMatch,
 )
@@ -47,10 +48,10 @@ def test_two_conductors_on_one_namespace_share_state(redis_url: str) -> None:
     first, second = RedisIndex(redis_url, namespace), RedisIndex(redis_url, namespace)
     first.register(info("w1"))
     second.apply([stored("w1", 0, D), stored("w1", 1, snap=True)])
-    second.heartbeat("w1", WorkerLoad(queue_len=5))
+    second.heartbeat("w1", WorkerLoad(num_queued=5, prefill_jobs=(PrefillJobLoad("r", 9, 3, 0.25),)))
     assert first.match(KEYS[:2]) == second.match(KEYS[:2])
     assert first.match(KEYS[:2]).get("w1") == WorkerMatch("w1", 2, 2, (D, M))
-    assert first.workers()[0][1] == WorkerLoad(queue_len=5)
+    assert first.workers()[0][1] == WorkerLoad(num_queued=5, prefill_jobs=(PrefillJobLoad("r", 9, 3, 0.25),))
     first.close()
     second.close()
 
@@ -181,8 +182,8 @@ def test_fallback_answers_locally_through_an_outage_and_recovers(
     with caplog.at_level(logging.WARNING, logger="kvstore.index_redis"):
         index.apply([stored("w1", 2, D, snap=True)])
         assert index.match(KEYS[:4]).get("w1") == WorkerMatch("w1", 3, 3, (M, M, D))
-        assert index.heartbeat("w1", WorkerLoad(queue_len=4)) is True
-        assert index.workers() == [(info("w1"), WorkerLoad(queue_len=4))]
+        assert index.heartbeat("w1", WorkerLoad(num_queued=4, request_ids=("a", "b"))) is True
+        assert index.workers() == [(info("w1"), WorkerLoad(num_queued=4, request_ids=("a", "b")))]
     assert not index.using_primary
     assert [r.levelno for r in caplog.records] == [logging.WARNING]  # once per outage
     assert server.url in caplog.records[0].getMessage()
@@ -195,7 +196,7 @@ def test_fallback_answers_locally_through_an_outage_and_recovers(
     assert index.using_primary
     fresh = RedisIndex(server.url, "fb")  # Redis itself got the local state back
     assert fresh.match(KEYS[:4]).get("w1") == WorkerMatch("w1", 3, 3, (M, M, D))
-    assert fresh.workers() == [(info("w1"), WorkerLoad(queue_len=4))]
+    assert fresh.workers() == [(info("w1"), WorkerLoad(num_queued=4, request_ids=("a", "b")))]
     index.apply([BlockEvent.removed("w1", KEYS[1])])
     assert fresh.match(KEYS[:4]).get("w1") == WorkerMatch("w1", 1, 0, (M,))
 

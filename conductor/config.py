@@ -1,0 +1,159 @@
+"""``ConductorConfig``: every setting of the Conductor, frozen, defaults written once here.
+
+Parsed by ``runtime.settings.parse_config`` from argv and ``TIDEKV_*`` variables. Parts of it
+are handed on as smaller frozen values: ``routing`` (what a policy factory reads), ``slos``
+(cluster and per-tenant SLO defaults), ``limits`` (request validation) and ``admission``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conductor.admission import AdmissionConfig
+from conductor.validation import Limits
+
+ADMISSION_MODES = ("predictive", "early", "none")
+
+
+def _policy_names() -> list[str]:
+    from conductor.routing import policy_names
+
+    return policy_names()
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Time-to-first-token and time-between-tokens targets (TBT as in Mooncake: the mean of a
+    request's slowest 10% of token intervals). Seconds; both > 0."""
+
+    ttft_s: float
+    tbt_s: float
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_s > 0 and self.tbt_s > 0):
+            raise ValueError(f"SLOs must be > 0: ttft_s {self.ttft_s}, tbt_s {self.tbt_s}")
+
+
+@dataclass(frozen=True)
+class SLOTable:
+    """Cluster default and per-tenant SLOs; a request may tighten or relax its own."""
+
+    default: SLO
+    by_tenant: tuple[tuple[str, SLO], ...] = ()
+
+    def resolve(self, tenant: str, ttft_s: float = 0.0, tbt_s: float = 0.0) -> SLO:
+        """The request's value where given (> 0), else its tenant's, else the cluster's."""
+        base = dict(self.by_tenant).get(tenant, self.default)
+        return SLO(ttft_s or base.ttft_s, tbt_s or base.tbt_s)
+
+
+def parse_tenant_slos(entries: tuple[str, ...]) -> tuple[tuple[str, SLO], ...]:
+    """``("acme=2.5/0.1", ...)`` -> ``(("acme", SLO(2.5, 0.1)), ...)``; ValueError naming the entry."""
+    out = []
+    for entry in entries:
+        tenant, sep, values = entry.partition("=")
+        ttft, slash, tbt = values.partition("/")
+        try:
+            if not (tenant and sep and slash):
+                raise ValueError("expected TENANT=TTFT_S/TBT_S")
+            out.append((tenant, SLO(float(ttft), float(tbt))))
+        except ValueError as e:
+            raise ValueError(f"tenant_slos entry {entry!r}: {e}") from e
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """What the policy factories read (``conductor.routing.register_policy``)."""
+
+    admission_mode: str = "predictive"
+    balancing_threshold: float = 1.5
+    hot_prefix_rate_per_s: float = 1.0
+    max_replicas: int = 2
+    cache_aware_abs_threshold: int = 4
+    cache_aware_rel_threshold: float = 1.5
+    kv_cost_overlap_weight: float = 1.0
+    kv_cost_temperature: float = 0.0
+    seed: int = 0
+    pull_from_peers: bool = True  # False: a worker reuses only its own prefix ("local cache-aware")
+
+    def __post_init__(self) -> None:
+        if self.admission_mode not in ADMISSION_MODES:
+            raise ValueError(f"admission_mode {self.admission_mode!r} is not one of {ADMISSION_MODES}")
+        if self.balancing_threshold < 1.0:
+            raise ValueError(f"balancing_threshold {self.balancing_threshold} < 1.0")
+        if self.max_replicas < 1 or self.hot_prefix_rate_per_s < 0:
+            raise ValueError(f"max_replicas {self.max_replicas} must be >= 1 and hot_prefix_rate_per_s >= 0")
+        if self.kv_cost_temperature < 0 or self.kv_cost_overlap_weight < 0:
+            raise ValueError("kv_cost_temperature and kv_cost_overlap_weight must be >= 0")
+
+
+@dataclass(frozen=True)
+class ConductorConfig:
+    model: str = field(default="tiny", metadata={"help": "model whose config and tokenizer the Conductor uses"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address the gRPC server binds"})
+    port: int = field(default=50051, metadata={"help": "public and registry gRPC port"})
+    policy: str = field(default="mooncake", metadata={"help": "routing policy", "choices": _policy_names})
+    index: str = field(default="memory", metadata={"help": "memory (embedded) or redis://127.0.0.1:6379"})
+    calibration: str = field(default="", metadata={"help": "cost-model file from `tidekv calibrate` "
+                                                           "(needed by mooncake; default: the built-in estimate)"})
+    worker_ttl_s: float = field(default=3.0, metadata={"help": "a worker silent this long is dropped"})
+    heartbeat_interval_s: float = field(default=0.5, metadata={"help": "how often workers report their load"})
+    max_running: int = field(default=16, metadata={"help": "requests in flight at once"})
+    max_queued: int = field(default=64, metadata={"help": "requests waiting for a running slot"})
+    max_queue_wait_s: float = field(default=30.0, metadata={"help": "longest wait for a running slot "
+                                                                    "(or the request's deadline if sooner)"})
+    max_prompt_tokens: int = field(default=8000, metadata={"help": "longest prompt accepted"})
+    max_new_tokens: int = field(default=1024, metadata={"help": "most tokens one request may generate"})
+    ttft_slo_s: float = field(default=10.0, metadata={"help": "cluster default time-to-first-token SLO"})
+    tbt_slo_s: float = field(default=0.25, metadata={"help": "cluster default time-between-tokens SLO"})
+    tenant_slos: tuple[str, ...] = field(default=(), metadata={"help": "per-tenant SLOs: TENANT=TTFT_S/TBT_S,..."})
+    max_prefill_attempts: int = field(default=2, metadata={"help": "tries of a prefill that fails before "
+                                                                   "anything reached the client"})
+    admission_mode: str = field(default="predictive", metadata={
+        "help": "mooncake decode admission: predictive (load when the request reaches decode), early "
+                "(load now), none", "choices": lambda: ADMISSION_MODES})
+    balancing_threshold: float = field(default=1.5, metadata={
+        "help": "mooncake: consider pulling a prefix when it is this many times longer than the local one"})
+    hot_prefix_rate_per_s: float = field(default=1.0, metadata={
+        "help": "mooncake: a prefix used more often than this is hot and may be replicated"})
+    max_replicas: int = field(default=2, metadata={"help": "most prefill workers holding one hot prefix"})
+    kv_cost_overlap_weight: float = field(default=1.0, metadata={"help": "kv_cost: weight of prefill blocks"})
+    kv_cost_temperature: float = field(default=0.0, metadata={"help": "kv_cost: softmax temperature (0: argmin)"})
+    policy_seed: int = field(default=0, metadata={"help": "seed of the random and sampled policies"})
+    pull_from_peers: bool = field(default=True, metadata={
+        "help": "let a prefill worker pull a deeper prefix from another worker (off: local reuse only)"})
+    drain_timeout_s: float = field(default=30.0, metadata={"help": "SIGTERM: finish in-flight requests this long"})
+
+    def __post_init__(self) -> None:
+        if self.worker_ttl_s <= self.heartbeat_interval_s or self.heartbeat_interval_s <= 0:
+            raise ValueError(f"need 0 < heartbeat_interval_s ({self.heartbeat_interval_s}) "
+                             f"< worker_ttl_s ({self.worker_ttl_s})")
+        if self.max_prefill_attempts < 1:
+            raise ValueError(f"max_prefill_attempts {self.max_prefill_attempts} < 1")
+        if self.max_queue_wait_s < 0:
+            raise ValueError(f"max_queue_wait_s {self.max_queue_wait_s} < 0")
+        self.slos  # noqa: B018 - parse the SLOs now: a bad entry fails at start, naming it
+        self.routing  # noqa: B018
+        self.admission  # noqa: B018
+
+    @property
+    def slos(self) -> SLOTable:
+        return SLOTable(SLO(self.ttft_slo_s, self.tbt_slo_s), parse_tenant_slos(self.tenant_slos))
+
+    @property
+    def routing(self) -> RoutingConfig:
+        return RoutingConfig(
+            admission_mode=self.admission_mode, balancing_threshold=self.balancing_threshold,
+            hot_prefix_rate_per_s=self.hot_prefix_rate_per_s, max_replicas=self.max_replicas,
+            kv_cost_overlap_weight=self.kv_cost_overlap_weight, kv_cost_temperature=self.kv_cost_temperature,
+            seed=self.policy_seed, pull_from_peers=self.pull_from_peers,
+        )
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(max_prompt_tokens=self.max_prompt_tokens, max_new_tokens=self.max_new_tokens)
+
+    @property
+    def admission(self) -> AdmissionConfig:
+        return AdmissionConfig(self.max_running, self.max_queued)

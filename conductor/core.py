@@ -1,0 +1,109 @@
+"""The Conductor core: from a request to a frozen routing decision, with no gRPC, threads or
+processes of its own, so the simulator drives the same code.
+
+``ConductorCore.route`` computes the block keys, counts the prefix's heat, builds the
+``ClusterSnapshot`` (``conductor.snapshot.build_snapshot``: a pure function of the registry
+view, the index matches, the pending overlay and the time), asks the policy, and records an
+accepted decision in the pending overlay. Applying the decision is the lifecycle's job
+(``conductor.lifecycle`` with a ``Dispatcher``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from conductor.clock import Clock
+from conductor.config import SLOTable
+from conductor.heat import PrefixHeat
+from conductor.pending import PendingWork
+from conductor.routing import ClusterSnapshot, Policy, Rejection, RejectKind, RouteDecision, RouteRequest
+from conductor.snapshot import RegistryEntry, build_snapshot
+from kvstore.blocks import BlockKey, chain_keys
+from kvstore.index import MatchSnapshot
+
+RETRY_NOT_READY_S = 5.0
+
+
+class ClusterView(Protocol):
+    """What the core reads of the cluster (the live ``Cluster``, or the simulator's)."""
+
+    model_fingerprint: str | None
+    block_size: int | None
+
+    def registry_view(self, wall_now_s: float) -> tuple[RegistryEntry, ...]: ...
+
+    def match(self, keys: Sequence[BlockKey]) -> MatchSnapshot | None: ...
+
+
+@dataclass(frozen=True)
+class Routed:
+    """The outcome of routing one request: the decision (or rejection) and what it was made on."""
+
+    outcome: RouteDecision | Rejection
+    request: RouteRequest | None  # None when no worker has registered yet
+    keys: tuple[BlockKey, ...]
+    snapshot: ClusterSnapshot | None
+
+
+@dataclass(frozen=True)
+class RequestFacts:
+    """What routing reads of a request. ``block_keys`` None: computed from ``prompt_ids`` with
+    the cluster's block size and model fingerprint (the simulator passes keys it derived from
+    a trace's hash ids, with ``num_prompt_tokens`` and no tokens)."""
+
+    request_id: str
+    seq: int
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    tenant: str
+    ttft_slo_s: float = 0.0  # 0: the tenant's or cluster's
+    tbt_slo_s: float = 0.0
+    block_keys: tuple[BlockKey, ...] | None = None
+    num_prompt_tokens: int = 0  # 0: len(prompt_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return self.num_prompt_tokens or len(self.prompt_ids)
+
+
+class ConductorCore:
+    def __init__(self, cluster: ClusterView, policy: Policy, slos: SLOTable, clock: Clock,
+                 pending: PendingWork | None = None, heat: PrefixHeat | None = None):
+        self.cluster, self.policy, self.slos, self.clock = cluster, policy, slos, clock
+        self.pending = pending or PendingWork()
+        self.heat = heat or PrefixHeat()
+        # One decision at a time: a request must see the overlay of the one routed just before it.
+        self._lock = threading.Lock()
+
+    def route(self, facts: RequestFacts, avoid: frozenset[str] = frozenset()) -> Routed:
+        """Decide for ``facts``; workers in ``avoid`` are left out while others of their role
+        remain. An accepted decision is recorded in the pending overlay."""
+        fp, bs = self.cluster.model_fingerprint, self.cluster.block_size
+        if fp is None or bs is None:
+            return Routed(Rejection("no workers registered yet", RETRY_NOT_READY_S, RejectKind.NO_WORKERS),
+                          None, (), None)
+        keys = facts.block_keys
+        if keys is None:
+            keys = tuple(chain_keys(list(facts.prompt_ids), bs, fp, facts.tenant))
+        slo = self.slos.resolve(facts.tenant, facts.ttft_slo_s, facts.tbt_slo_s)
+        request = RouteRequest(facts.request_id, facts.seq, facts.prompt_len, len(keys), facts.max_tokens, bs,
+                               slo.ttft_s, slo.tbt_s)
+        matches = self.cluster.match(keys)
+        with self._lock:
+            now_s = self.clock.now()
+            rate = self.heat.touch(keys[0], now_s) if keys else 0.0
+            registry = self.cluster.registry_view(self.clock.wall())
+            snapshot = build_snapshot(registry, matches, self.pending.view(), now_s, rate)
+            if avoid:
+                snapshot = ClusterSnapshot(
+                    tuple(w for w in snapshot.prefill if w.worker_id not in avoid) or snapshot.prefill,
+                    tuple(w for w in snapshot.decode if w.worker_id not in avoid) or snapshot.decode,
+                    snapshot.time_s, snapshot.prefix_rate_per_s,
+                )
+            outcome = self.policy(snapshot, request)
+            if isinstance(outcome, RouteDecision):
+                self.pending.route(request, outcome, now_s)
+        return Routed(outcome, request, keys, snapshot)

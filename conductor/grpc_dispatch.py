@@ -1,0 +1,98 @@
+"""The live Conductor's ``Dispatcher``: each lifecycle step as a gRPC call to a worker.
+
+Maps gRPC status codes onto ``FailureKind`` in one place (``failure_kind``), converts block
+events on the Prefill response to index events, and cancels in-flight calls through the
+lifecycle's cancel hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import grpc
+
+from conductor.cluster import Cluster
+from conductor.dispatch import CancelHook, DecodeChunk, DispatchError, FailureKind, PrefillCall, PrefillResult
+from engine.sampler import SamplingParams
+from proto import internal_pb2 as ipb
+from proto.convert import FINISH_NAMES, block_event_from_proto, sampling_to_proto
+
+log = logging.getLogger(__name__)
+
+_KINDS = {
+    grpc.StatusCode.UNAVAILABLE: FailureKind.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: FailureKind.BUSY,
+    grpc.StatusCode.DEADLINE_EXCEEDED: FailureKind.DEADLINE,
+    grpc.StatusCode.CANCELLED: FailureKind.CANCELLED,
+    grpc.StatusCode.INVALID_ARGUMENT: FailureKind.REFUSED,
+    grpc.StatusCode.FAILED_PRECONDITION: FailureKind.REFUSED,
+    grpc.StatusCode.ALREADY_EXISTS: FailureKind.REFUSED,
+}
+
+
+def failure_kind(code: grpc.StatusCode | None, details: str = "") -> FailureKind:
+    """The failure kind of a worker call that ended with ``code``. A transfer failure is
+    reported as UNAVAILABLE with a message saying so."""
+    kind = _KINDS.get(code, FailureKind.INTERNAL) if code is not None else FailureKind.INTERNAL
+    if kind is FailureKind.UNAVAILABLE and "transfer" in details.lower():
+        return FailureKind.TRANSFER
+    return kind
+
+
+def _error(worker_id: str, e: grpc.RpcError, what: str) -> DispatchError:
+    return DispatchError(failure_kind(e.code(), e.details() or ""), worker_id, f"{what} failed: {e.details()}")
+
+
+class GrpcDispatcher:
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+
+    def reserve(self, decode_worker: str, request_id: str, num_prompt_tokens: int, max_tokens: int,
+                deadline_s: float) -> str:
+        stub = self.cluster.endpoint(decode_worker).decode
+        try:
+            return stub.Reserve(ipb.ReserveRequest(request_id=request_id, prompt_tokens=num_prompt_tokens,
+                                                   max_tokens=max_tokens, deadline_s=deadline_s),
+                                timeout=deadline_s).transfer_address
+        except grpc.RpcError as e:
+            raise _error(decode_worker, e, "decode reservation") from e
+
+    def prefill(self, prefill_worker: str, call: PrefillCall, sampling: SamplingParams,
+                on_cancel: CancelHook) -> PrefillResult:
+        holder_addr = self.cluster.endpoint(call.holder_worker).info.rpc_address if call.holder_worker else ""
+        request = ipb.PrefillRequest(
+            request_id=call.request_id, token_ids=call.token_ids, sampling=sampling_to_proto(sampling),
+            block_keys=call.block_keys, decode_transfer_address=call.decode_transfer_address,
+            deadline_s=call.deadline_s,
+            reuse=ipb.ReusePlan(num_blocks=call.num_reuse_blocks, holder_worker_id=call.holder_worker or "",
+                                holder_rpc_address=holder_addr, keep=True))
+        future = self.cluster.endpoint(prefill_worker).prefill.Prefill.future(request, timeout=call.deadline_s)
+        on_cancel(future.cancel)
+        try:
+            resp = future.result()
+        except grpc.RpcError as e:
+            raise _error(prefill_worker, e, "prefill") from e
+        except grpc.FutureCancelledError as e:
+            raise DispatchError(FailureKind.CANCELLED, prefill_worker, "prefill cancelled") from e
+        events = tuple(block_event_from_proto(prefill_worker, e) for e in resp.events)
+        return PrefillResult(resp.first_token, resp.cached_tokens, resp.prefill_s, events)
+
+    def decode(self, decode_worker: str, request_id: str, first_token: int, sampling: SamplingParams,
+               num_prompt_tokens: int, deadline_s: float, on_cancel: CancelHook) -> Iterator[DecodeChunk]:
+        stub = self.cluster.endpoint(decode_worker).decode
+        stream = stub.Decode(ipb.DecodeRequest(request_id=request_id, first_token=first_token,
+                                               sampling=sampling_to_proto(sampling),
+                                               prompt_tokens=num_prompt_tokens), timeout=deadline_s)
+        on_cancel(stream.cancel)
+        try:
+            for msg in stream:
+                yield DecodeChunk(tuple(msg.token_ids), FINISH_NAMES.get(msg.finish_reason, ""))
+        except grpc.RpcError as e:
+            raise _error(decode_worker, e, "decode") from e
+
+    def release(self, decode_worker: str, request_id: str) -> None:
+        try:
+            self.cluster.endpoint(decode_worker).decode.Release(ipb.ReleaseRequest(request_id=request_id), timeout=5)
+        except (grpc.RpcError, KeyError) as e:
+            log.info("release of %s on %s failed (the worker expires it): %s", request_id, decode_worker, e)

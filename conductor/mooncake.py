@@ -1,0 +1,200 @@
+"""``mooncake``, the default policy: Mooncake's KVCache-centric scheduler (FAST'25, Algorithm 1)
+with prediction-based early rejection and hot-prefix replication.
+
+For every prefill worker ``w`` and each way it could get the prefix, predict the time to
+first token and take the minimum::
+
+    queue_s(w)    = sum over w's queued and running prefills of prefill_s(job) - elapsed
+    local option  : ttft = queue_s(w) + prefill_s(new = n - local, reused = local)
+    pull option   : ttft = queue_s(w) + pull_s(best prefix from its holder)
+                                      + prefill_s(new = n - best, reused = best)
+                    considered only when best > balancing_threshold * local and the prefix
+                    has fewer than max_replicas holders (the puller keeps a replica)
+
+(``n`` prompt tokens, ``local``/``best`` reusable tokens on ``w`` / anywhere, after the reuse
+cap.) Hot prefixes: when this request's leading block is asked for more often than
+``hot_prefix_rate_per_s`` and the chosen worker is a holder with work queued, the best pull
+option to a worker with a shorter queue replaces it (branch ``replicate``) if it still meets
+the TTFT SLO, so later requests for that prefix spread over two holders.
+
+The decode worker is the one with the lowest predicted time between tokens after this
+request joins. With ``admission_mode = "predictive"`` that is predicted for the moment the
+request reaches decode (``now + ttft``): requests this Conductor knows will have finished by
+then no longer count, requests still in prefill that will have joined do. ``"early"`` uses
+the load now (plain early rejection, which oscillates); ``"none"`` never rejects on TBT.
+A request whose predicted TTFT or TBT misses its SLO is rejected, with a retry hint from the
+predicted excess. All times come from the calibrated ``CostModels``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conductor.routing import (
+    ClusterSnapshot,
+    DecodeJob,
+    Policy,
+    PolicyContext,
+    Prediction,
+    Rejection,
+    RejectKind,
+    ReusePlan,
+    RouteBranch,
+    RouteDecision,
+    RouteRequest,
+    WorkerView,
+    admission_rejection,
+    best_holder,
+    capped_usable,
+    fitting_decode,
+    register_policy,
+)
+from costmodel import CostModels
+from kvstore.blocks import Tier
+
+MIN_RETRY_S = 0.5
+
+
+@dataclass(frozen=True)
+class PrefillOption:
+    """One way to prefill the request on one worker, with its predicted times."""
+
+    worker: WorkerView
+    reuse: ReusePlan
+    branch: RouteBranch
+    queue_s: float
+    transfer_s: float
+    prefill_s: float
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_s + self.transfer_s + self.prefill_s
+
+    def order(self) -> tuple[float, float, str, bool]:
+        """argmin key: TTFT, then the shorter queue, then id, local before pull."""
+        return (self.ttft_s, self.queue_s, self.worker.worker_id, self.reuse.holder is not None)
+
+
+def queue_s(worker: WorkerView, costs: CostModels) -> float:
+    """Predicted seconds until ``worker`` can start a new prefill (its jobs run one at a time)."""
+    return sum(max(0.0, costs.prefill_s(j.num_new_tokens, j.num_reused_tokens) - j.elapsed_s)
+               for j in worker.prefill_jobs)
+
+
+def num_holders(snapshot: ClusterSnapshot, request: RouteRequest, num_blocks: int) -> int:
+    """Prefill workers that can reuse at least ``num_blocks`` leading blocks of the request."""
+    return sum(capped_usable(w, request) >= num_blocks for w in snapshot.prefill)
+
+
+def prefill_options(snapshot: ClusterSnapshot, request: RouteRequest, costs: CostModels,
+                    config) -> list[PrefillOption]:
+    """Every (worker, local or pull) option of Algorithm 1, in snapshot order."""
+    n, bs = request.num_prompt_tokens, request.block_size
+    best = best_holder(snapshot.prefill, request)
+    best_blocks = capped_usable(best, request) if best is not None else 0
+    may_replicate = (config.pull_from_peers and best_blocks > 0
+                     and num_holders(snapshot, request, best_blocks) < config.max_replicas)
+    options = []
+    for w in snapshot.prefill:
+        local = capped_usable(w, request)
+        wait = queue_s(w, costs)
+        branch = RouteBranch.LOCAL if local else RouteBranch.COLD
+        options.append(PrefillOption(w, ReusePlan(local, None), branch, wait, 0.0,
+                                     costs.prefill_s(n - local * bs, local * bs)))
+        if (best is not None and best.worker_id != w.worker_id and may_replicate
+                and best_blocks > config.balancing_threshold * local):
+            pull = costs.pull_s(best_blocks * bs, 1, backend=w.transfer_backend,
+                                tier=best.usable_tier if best.usable_tier is not None else Tier.DRAM)
+            options.append(PrefillOption(w, ReusePlan(best_blocks, best.worker_id), RouteBranch.PULL, wait, pull,
+                                         costs.prefill_s(n - best_blocks * bs, best_blocks * bs)))
+    return options
+
+
+def choose_prefill(snapshot: ClusterSnapshot, request: RouteRequest, costs: CostModels, config) -> PrefillOption:
+    """The minimum-TTFT option, replaced by a replicating pull when the prefix is hot and its
+    holder is the bottleneck (see the module docstring)."""
+    options = prefill_options(snapshot, request, costs, config)
+    chosen = min(options, key=PrefillOption.order)
+    hot = config.hot_prefix_rate_per_s > 0 and snapshot.prefix_rate_per_s >= config.hot_prefix_rate_per_s
+    holder_busy = chosen.reuse.holder is None and chosen.reuse.num_blocks > 0 and chosen.queue_s > 0
+    if not (hot and holder_busy):
+        return chosen
+    pulls = [o for o in options if o.reuse.holder is not None and o.queue_s < chosen.queue_s
+             and o.reuse.num_blocks >= chosen.reuse.num_blocks and o.ttft_s <= request.ttft_slo_s]
+    if not pulls:
+        return chosen
+    best_pull = min(pulls, key=PrefillOption.order)
+    return PrefillOption(best_pull.worker, best_pull.reuse, RouteBranch.REPLICATE, best_pull.queue_s,
+                         best_pull.transfer_s, best_pull.prefill_s)
+
+
+def tbt_after_join(worker: WorkerView, request: RouteRequest, costs: CostModels, at_s: float | None,
+                   now_s: float = 0.0) -> float:
+    """Predicted decode step time on ``worker`` once this request has joined.
+
+    ``at_s`` None: the batch as it is now (plain early rejection). Otherwise the batch ``at_s``
+    seconds from now: known running requests that will have generated their remaining tokens
+    by then have left, known requests in prefill that will be ready by then have joined;
+    running requests this Conductor does not know (another Conductor's) stay."""
+    n = request.num_prompt_tokens
+    running = [j for j in worker.decode_jobs if j.decoding]
+    other = max(0, worker.num_running - len(running))
+    other_tokens = max(0, worker.num_context_tokens - sum(j.num_tokens for j in running))
+    if at_s is None:
+        return costs.decode_step_s(worker.num_running + 1, worker.num_context_tokens + n)
+    step_s = costs.decode_step_s(max(1, worker.num_running), worker.num_context_tokens)
+    staying = [j for j in running if j.num_remaining_tokens * step_s > at_s]
+    joining = [j for j in worker.decode_jobs if not j.decoding and j.ready_in_s(now_s) <= at_s]
+    batch = other + len(staying) + len(joining) + 1
+    tokens = other_tokens + sum(j.num_tokens for j in staying + joining) + n
+    return costs.decode_step_s(batch, tokens)
+
+
+def _retry_hint_s(worker: WorkerView, costs: CostModels, now_s: float) -> float:
+    """When the decode worker's batch will have shrunk: the soonest a known request finishes."""
+    step_s = costs.decode_step_s(max(1, worker.num_running), worker.num_context_tokens)
+    ends = [j.num_remaining_tokens * step_s + j.ready_in_s(now_s) for j in worker.decode_jobs]
+    return max(MIN_RETRY_S, min(ends, default=1.0))
+
+
+def _decode_choice(snapshot: ClusterSnapshot, request: RouteRequest, costs: CostModels, mode: str,
+                   ttft_s: float) -> tuple[WorkerView, float]:
+    at_s = None if mode == "early" else ttft_s
+    scored = [(tbt_after_join(w, request, costs, at_s, snapshot.time_s), -w.num_free_pages, w.worker_id, w)
+              for w in fitting_decode(snapshot, request)]
+    tbt, _, _, worker = min(scored, key=lambda t: t[:3])
+    return worker, tbt
+
+
+def make_mooncake(context: PolicyContext) -> Policy:
+    if context.costs is None:
+        raise ValueError("the mooncake policy needs cost models (a calibration from `tidekv calibrate`)")
+    costs, config = context.costs, context.routing
+
+    def mooncake(snapshot: ClusterSnapshot, request: RouteRequest) -> RouteDecision | Rejection:
+        rejection = admission_rejection(snapshot, request)
+        if rejection is not None:
+            return rejection
+        option = choose_prefill(snapshot, request, costs, config)
+        decode, tbt = _decode_choice(snapshot, request, costs, config.admission_mode, option.ttft_s)
+        if option.ttft_s > request.ttft_slo_s:
+            return Rejection(
+                f"predicted TTFT {option.ttft_s:.3f}s misses the {request.ttft_slo_s:g}s SLO: best is "
+                f"{option.worker.worker_id} with {option.queue_s:.3f}s queued + {option.transfer_s:.3f}s transfer "
+                f"+ {option.prefill_s:.3f}s prefill", max(MIN_RETRY_S, option.ttft_s - request.ttft_slo_s),
+                RejectKind.TTFT_SLO)
+        if config.admission_mode != "none" and tbt > request.tbt_slo_s:
+            return Rejection(
+                f"predicted TBT {tbt * 1e3:.1f}ms misses the {request.tbt_slo_s * 1e3:g}ms SLO on every decode "
+                f"worker (best {decode.worker_id}: {decode.num_running} running)",
+                _retry_hint_s(decode, costs, snapshot.time_s), RejectKind.TBT_SLO)
+        predicted = Prediction(option.ttft_s, option.queue_s, option.prefill_s, option.transfer_s, tbt)
+        return RouteDecision(option.worker.worker_id, decode.worker_id, option.reuse, option.branch, predicted)
+
+    return mooncake
+
+
+register_policy("mooncake")(make_mooncake)
+
+__all__ = ["DecodeJob", "PrefillOption", "choose_prefill", "make_mooncake", "prefill_options", "queue_s",
+           "tbt_after_join"]

@@ -1,0 +1,181 @@
+"""The pending overlay: what this Conductor routed that the workers' heartbeats may not show
+yet, and what finished since they were sent.
+
+Without it, requests arriving within one heartbeat interval all see the same stale load and
+herd onto the same worker. The Conductor records a request here when it routes it
+(``route``), marks its prefill and decode progress, and forgets it at the end; finished
+records are kept for ``finished_ttl_s`` so a heartbeat sent before they finished is not
+trusted about them (``conductor.snapshot`` merges the two).
+
+Records are grouped by worker, and each worker's group is frozen into a tuple only when it
+changed since the last ``view()``, so a view costs O(workers), not O(requests in flight).
+Thread-safe (one lock); time is given by the caller (the Conductor's injected clock).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import defaultdict, deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from conductor.routing import DecodeJob, RouteDecision, RouteRequest, decode_need_pages
+
+
+@dataclass(frozen=True)
+class PendingRequest:
+    request_id: str
+    prefill_worker: str
+    decode_worker: str
+    num_new_tokens: int
+    num_reused_tokens: int
+    num_prompt_tokens: int
+    max_tokens: int
+    num_pages: int
+    routed_at_s: float
+    ready_at_s: float  # predicted moment it joins the decode batch (routing time + predicted TTFT)
+    prefill_done_at_s: float = math.inf
+    decode_started_at_s: float = math.inf
+    num_generated: int = 0
+    finished_at_s: float = math.inf
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.prefill_done_at_s == math.inf and self.finished_at_s == math.inf
+
+    @property
+    def decoding(self) -> bool:
+        return self.decode_started_at_s < math.inf
+
+    def decode_job(self) -> DecodeJob:
+        return DecodeJob(self.request_id, self.num_prompt_tokens + self.num_generated,
+                         max(0, self.max_tokens - self.num_generated), self.decoding, self.ready_at_s)
+
+
+@dataclass(frozen=True)
+class PendingView:
+    """A frozen copy for one snapshot, by worker id (absent: nothing there)."""
+
+    in_prefill: Mapping[str, tuple[PendingRequest, ...]] = field(default_factory=dict)  # by prefill worker
+    left_prefill: Mapping[str, frozenset[str]] = field(default_factory=dict)  # prefill done or request ended
+    on_decode: Mapping[str, tuple[PendingRequest, ...]] = field(default_factory=dict)  # live, by decode worker
+    decode_jobs: Mapping[str, tuple[DecodeJob, ...]] = field(default_factory=dict)  # the same, as DecodeJobs
+    ended_on_decode: Mapping[str, tuple[PendingRequest, ...]] = field(default_factory=dict)  # finished lately
+
+
+class PendingWork:
+    def __init__(self, finished_ttl_s: float = 6.0):
+        self.finished_ttl_s = finished_ttl_s
+        self._live: dict[str, PendingRequest] = {}
+        self._ended: deque[PendingRequest] = deque()  # in finishing order
+        self._groups: dict[str, dict[str, dict[str, PendingRequest]]] = {
+            name: defaultdict(dict) for name in ("in_prefill", "on_decode", "ended_on_decode")}
+        self._left: dict[str, dict[str, int]] = defaultdict(dict)  # prefill worker -> id -> references
+        self._frozen: dict[tuple[str, str], object] = {}
+        self._lock = threading.Lock()
+
+    # ---- grouping (under the lock) ------------------------------------------------------------
+    def _put(self, group: str, worker: str, record: PendingRequest) -> None:
+        self._groups[group][worker][record.request_id] = record
+        self._frozen.pop((group, worker), None)
+        if group == "on_decode":
+            self._frozen.pop(("decode_jobs", worker), None)
+
+    def _drop(self, group: str, worker: str, request_id: str) -> None:
+        if self._groups[group][worker].pop(request_id, None) is not None:
+            self._frozen.pop((group, worker), None)
+            if group == "on_decode":
+                self._frozen.pop(("decode_jobs", worker), None)
+
+    def _mark_left(self, worker: str, request_id: str, delta: int) -> None:
+        refs = self._left[worker]
+        refs[request_id] = refs.get(request_id, 0) + delta
+        if refs[request_id] <= 0:
+            del refs[request_id]
+        self._frozen.pop(("left_prefill", worker), None)
+
+    def _set(self, record: PendingRequest) -> None:
+        self._live[record.request_id] = record
+        self._put("on_decode", record.decode_worker, record)
+        if record.in_prefill:
+            self._put("in_prefill", record.prefill_worker, record)
+
+    # ---- changes ------------------------------------------------------------------------------
+    def route(self, request: RouteRequest, decision: RouteDecision, now_s: float) -> None:
+        """Record a routed request (its reuse plan fixes the new and reused token counts)."""
+        reused = decision.reuse.num_blocks * request.block_size
+        record = PendingRequest(
+            request.request_id, decision.prefill_worker, decision.decode_worker,
+            request.num_prompt_tokens - reused, reused, request.num_prompt_tokens, request.max_tokens,
+            decode_need_pages(request), now_s, now_s + decision.predicted.ttft_s)
+        with self._lock:
+            self._set(record)
+
+    def prefill_done(self, request_id: str, now_s: float) -> None:
+        with self._lock:
+            record = self._live.get(request_id)
+            if record is not None and record.in_prefill:
+                self._drop("in_prefill", record.prefill_worker, request_id)
+                self._mark_left(record.prefill_worker, request_id, +1)
+                self._set(replace(record, prefill_done_at_s=now_s, ready_at_s=now_s))
+
+    def decode_started(self, request_id: str, now_s: float) -> None:
+        with self._lock:
+            record = self._live.get(request_id)
+            if record is not None:
+                self._set(replace(record, decode_started_at_s=now_s))
+
+    def generated(self, request_id: str, num_tokens: int) -> None:
+        with self._lock:
+            record = self._live.get(request_id)
+            if record is not None:
+                self._set(replace(record, num_generated=num_tokens))
+
+    def finish(self, request_id: str, now_s: float) -> None:
+        """The request ended (any way) or is routed again: its work leaves both workers."""
+        with self._lock:
+            record = self._live.pop(request_id, None)
+            if record is not None:
+                if record.in_prefill:
+                    self._drop("in_prefill", record.prefill_worker, request_id)
+                    self._mark_left(record.prefill_worker, request_id, +1)
+                self._drop("on_decode", record.decode_worker, request_id)
+                ended = replace(record, finished_at_s=now_s)
+                self._ended.append(ended)
+                self._put("ended_on_decode", ended.decode_worker, ended)
+            while self._ended and now_s - self._ended[0].finished_at_s > self.finished_ttl_s:
+                old = self._ended.popleft()
+                self._mark_left(old.prefill_worker, old.request_id, -1)
+                if self._groups["ended_on_decode"][old.decode_worker].get(old.request_id) is old:
+                    self._drop("ended_on_decode", old.decode_worker, old.request_id)
+
+    # ---- reading --------------------------------------------------------------------------------
+    def _frozen_group(self, group: str, worker: str):
+        key = (group, worker)
+        if key not in self._frozen:
+            if group == "decode_jobs":
+                value = tuple(r.decode_job() for r in self._groups["on_decode"][worker].values())
+            elif group == "left_prefill":
+                value = frozenset(self._left[worker])
+            else:
+                value = tuple(self._groups[group][worker].values())
+            self._frozen[key] = value
+        return self._frozen[key]
+
+    def view(self) -> PendingView:
+        with self._lock:
+            def by_worker(group: str, source: Mapping[str, object]) -> dict:
+                return {w: self._frozen_group(group, w) for w, members in source.items() if members}
+
+            return PendingView(
+                in_prefill=by_worker("in_prefill", self._groups["in_prefill"]),
+                left_prefill=by_worker("left_prefill", self._left),
+                on_decode=by_worker("on_decode", self._groups["on_decode"]),
+                decode_jobs=by_worker("decode_jobs", self._groups["on_decode"]),
+                ended_on_decode=by_worker("ended_on_decode", self._groups["ended_on_decode"]),
+            )
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._live)

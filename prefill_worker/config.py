@@ -1,0 +1,25 @@
+"""``PrefillConfig``: the prefill worker's frozen settings (flags and ``TIDEKV_*`` variables)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.worker_config import WorkerConfig
+
+
+@dataclass(frozen=True)
+class PrefillConfig(WorkerConfig):
+    num_pages: int = field(default=1024, metadata={"help": "MLA cache pages in the engine's pool"})
+    snapshot_interval_blocks: int = field(default=4, metadata={"help": "a KDA snapshot every N blocks"})
+    dram_bytes: int = field(default=512 << 20, metadata={"help": "DRAM tier capacity"})
+    ssd_bytes: int = field(default=1 << 30, metadata={"help": "SSD tier capacity"})
+    data_dir: str = field(default="", metadata={"help": "SSD tier directory (default: a temporary one)"})
+    eviction: str = field(default="lru", metadata={"help": "eviction policy: lru, lfu or arc"})
+    max_frame_bytes: int = field(default=32 << 20, metadata={"help": "largest KV frame sent to a decode worker"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.snapshot_interval_blocks < 1:
+            raise ValueError(f"snapshot_interval_blocks {self.snapshot_interval_blocks} < 1")
+        if self.dram_bytes < 0 or self.ssd_bytes < 0:
+            raise ValueError(f"dram_bytes {self.dram_bytes} and ssd_bytes {self.ssd_bytes} must be >= 0")

@@ -1,0 +1,49 @@
+"""``WorkerConfig``: the settings every worker role shares (each role's config extends it).
+
+Parsed by ``runtime.settings.parse_config`` from argv and ``TIDEKV_*`` variables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine import DEFAULT_BLOCK_SIZE
+
+TRANSFER_BACKENDS = ("tcp", "shm", "ucx")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    conductor: str = field(default="", metadata={"help": "host:port of the Conductor (required)"})
+    model: str = field(default="tiny", metadata={"help": "'tiny' or a checkpoint directory"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address the gRPC and transfer servers bind"})
+    advertise_host: str = field(default="", metadata={"help": "address registered with the Conductor "
+                                                              "(default: --host, or 127.0.0.1 for 0.0.0.0)"})
+    port: int = field(default=0, metadata={"help": "gRPC port (0: a free one)"})
+    worker_id: str = field(default="", metadata={"help": "stable id (default: role plus a random suffix)"})
+    num_pages: int = field(default=1024, metadata={"help": "MLA cache pages in the engine's pool"})
+    block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": "tokens per page and per block"})
+    transfer_backend: str = field(default="tcp", metadata={"help": "KV transfer backend",
+                                                           "choices": lambda: TRANSFER_BACKENDS})
+    device: str = field(default="cpu", metadata={"help": "cpu or cuda[:N]"})
+    threads: int = field(default=0, metadata={"help": "torch threads (0: TIDEKV_TORCH_THREADS, default 1)"})
+    drain_timeout_s: float = field(default=30.0, metadata={"help": "SIGTERM: finish held requests for this long"})
+
+    def __post_init__(self) -> None:
+        if self.num_pages < 1 or self.block_size < 1:
+            raise ValueError(f"num_pages {self.num_pages} and block_size {self.block_size} must be >= 1")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port {self.port} not in 0..65535")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s {self.drain_timeout_s} < 0")
+
+    @property
+    def advertised_host(self) -> str:
+        """The host other processes dial: --advertise-host, else --host (loopback for a wildcard)."""
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+
+    def require_conductor(self) -> None:
+        if not self.conductor:
+            raise ValueError("--conductor (TIDEKV_CONDUCTOR) is required: host:port of the Conductor")

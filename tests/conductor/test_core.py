@@ -1,0 +1,174 @@
+"""The Conductor core without gRPC: the snapshot builder's merge of heartbeats and the
+pending overlay, a burst spreading within one heartbeat, the retry rule, and the config."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+
+from conductor.clock import ManualClock
+from conductor.config import SLO, ConductorConfig, SLOTable, parse_tenant_slos
+from conductor.core import ConductorCore, RequestFacts
+from conductor.dispatch import FailureKind, should_retry
+from conductor.pending import PendingView, PendingWork
+from conductor.routing import (
+    PolicyContext,
+    Rejection,
+    ReusePlan,
+    RouteDecision,
+    RouteRequest,
+    make_policy,
+    policy_names,
+)
+from conductor.snapshot import RegistryEntry, build_snapshot
+from costmodel import CostModels
+from kvstore.index import PrefillJobLoad, WorkerLoad, WorkerRole
+from kvstore.index_memory import MemoryIndex
+from runtime.settings import parse_config
+
+BS = 16
+COSTS = CostModels.analytic(prefill_s_per_token=1e-3, decode_base_s=0.01, decode_s_per_request=1e-3)
+
+
+class StaticCluster:
+    """A ClusterView whose registry never changes (no heartbeats arrive during the test)."""
+
+    model_fingerprint = "fp"
+    block_size = BS
+
+    def __init__(self, entries: tuple[RegistryEntry, ...]):
+        self.entries = entries
+        self.index = MemoryIndex(ttl_s=1e9)
+
+    def registry_view(self, wall_now_s: float) -> tuple[RegistryEntry, ...]:
+        return self.entries
+
+    def match(self, keys):
+        return self.index.match(keys) if keys else None
+
+    def apply_events(self, events) -> None:
+        self.index.apply(events)
+
+
+def entry(worker_id: str, role: str, load: WorkerLoad | None = None, age_s: float = 0.0) -> RegistryEntry:
+    return RegistryEntry(worker_id, WorkerRole(role), f"rpc-{worker_id}", f"tcp://{worker_id}",
+                         load or WorkerLoad(num_free_pages=1000), age_s)
+
+
+def facts(i: int, n: int = 200) -> RequestFacts:
+    return RequestFacts(f"r{i}", i, tuple((i * 7919 + t) % 250 + 1 for t in range(n)), 8, "")
+
+
+# --- the snapshot merge ------------------------------------------------------------------------
+
+
+def _routed(core: ConductorCore, i: int) -> RouteDecision:
+    out = core.route(facts(i)).outcome
+    assert isinstance(out, RouteDecision), out
+    return out
+
+
+def test_a_burst_within_one_heartbeat_spreads_as_predicted_queues_grow() -> None:
+    clock = ManualClock()
+    cluster = StaticCluster((entry("p0", "prefill"), entry("p1", "prefill"), entry("p2", "prefill"),
+                             entry("d0", "decode")))
+    core = ConductorCore(cluster, make_policy("mooncake", PolicyContext(costs=COSTS)), SLOTable(SLO(60, 1)), clock)
+    picks = [_routed(core, i).prefill_worker for i in range(9)]  # no time passes, no heartbeat comes
+    assert Counter(picks) == {"p0": 3, "p1": 3, "p2": 3}
+    predicted = [_routed(core, i).predicted.queue_s for i in range(9, 12)]
+    assert predicted == pytest.approx([0.6, 0.6, 0.6])  # 3 cold 200-token prefills queued on each
+
+
+def test_without_the_overlay_the_same_burst_herds_onto_one_worker() -> None:
+    registry = (entry("p0", "prefill"), entry("p1", "prefill"), entry("d0", "decode"))
+    policy = make_policy("mooncake", PolicyContext(costs=COSTS))
+    picks = set()
+    for i in range(4):
+        snapshot = build_snapshot(registry, None, PendingView(), 0.0)  # the stale heartbeat alone
+        out = policy(snapshot, RouteRequest(f"r{i}", i, 200, 12, 8, BS))
+        picks.add(out.prefill_worker)
+    assert picks == {"p0"}
+
+
+def test_heartbeat_jobs_and_own_pending_are_each_counted_once() -> None:
+    pending = PendingWork()
+    def route(rid: str, prefill: str, decode: str, now: float) -> None:
+        req = RouteRequest(rid, 0, 100, 6, 20, BS)
+        pending.route(req, RouteDecision(prefill, decode, ReusePlan(2, None)), now)
+
+    route("seen", "p", "d", 0.0)  # the heartbeat lists it
+    route("new", "p", "d", 0.1)  # routed after the heartbeat
+    route("gone", "p", "d", 0.0)
+    pending.finish("gone", 0.2)  # finished after the heartbeat
+    load_p = WorkerLoad(prefill_jobs=(PrefillJobLoad("seen", 68, 32, 0.25), PrefillJobLoad("gone", 68, 32),
+                                      PrefillJobLoad("other", 50)))
+    load_d = WorkerLoad(num_free_pages=100, num_queued=2, request_ids=("seen", "gone"))
+    snap = build_snapshot((entry("p", "prefill", load_p, age_s=0.5), entry("d", "decode", load_d)), None,
+                          pending.view(), 1.0)
+    jobs = {j.request_id: j for j in snap.prefill[0].prefill_jobs}
+    assert set(jobs) == {"seen", "other", "new"}
+    assert jobs["seen"].elapsed_s == pytest.approx(0.75)  # advanced by the heartbeat's age
+    assert jobs["new"] == PrefillJobLoad("new", 68, 32, 0.0)
+    d = snap.decode[0]
+    need = math.ceil((100 + 20) / BS)
+    # "new" takes its pages (not listed yet); "gone" gives its back (listed, but finished)
+    assert d.num_free_pages == 100 - need + need and d.num_queued == 2 - 1 + 1
+    assert {j.request_id for j in d.decode_jobs} == {"seen", "new"}
+    assert not any(j.decoding for j in d.decode_jobs)  # both still in prefill
+
+
+def test_a_rejection_is_not_recorded_as_pending() -> None:
+    clock = ManualClock()
+    cluster = StaticCluster((entry("p0", "prefill"), entry("d0", "decode")))
+    core = ConductorCore(cluster, make_policy("mooncake", PolicyContext(costs=COSTS)), SLOTable(SLO(0.1, 1)), clock)
+    assert isinstance(core.route(facts(0)).outcome, Rejection)  # 0.2 s prefill > 0.1 s SLO
+    assert len(core.pending) == 0
+
+
+def test_every_policy_rejects_with_a_reason_and_a_retry_hint() -> None:
+    cluster = StaticCluster((entry("p0", "prefill"), entry("d0", "decode", WorkerLoad(num_free_pages=1))))
+    for name in policy_names():
+        core = ConductorCore(cluster, make_policy(name, PolicyContext(costs=COSTS)), SLOTable(SLO(0.01, 0.001)),
+                             ManualClock())
+        out = core.route(facts(0)).outcome
+        assert isinstance(out, Rejection), name
+        assert out.reason and out.retry_after_s > 0, (name, out)
+
+
+# --- the retry rule ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", list(FailureKind))
+def test_only_failures_another_worker_may_not_have_are_retried(kind: FailureKind) -> None:
+    retryable = kind in (FailureKind.UNAVAILABLE, FailureKind.BUSY, FailureKind.TRANSFER)
+    assert should_retry(kind, attempt=1, max_attempts=2, cancelled=False) is retryable
+    assert should_retry(kind, attempt=2, max_attempts=2, cancelled=False) is False
+    assert should_retry(kind, attempt=1, max_attempts=3, cancelled=True) is False
+
+
+# --- config ------------------------------------------------------------------------------------
+
+
+def test_config_comes_from_argv_over_environment_over_defaults() -> None:
+    env = {"TIDEKV_MAX_RUNNING": "7", "TIDEKV_POLICY": "kv_cost", "TIDEKV_TENANT_SLOS": "a=1/0.1,b=2/0.2"}
+    config = parse_config(ConductorConfig, ["--policy", "random"], env)
+    assert (config.max_running, config.policy) == (7, "random")
+    assert config.slos.resolve("a") == SLO(1.0, 0.1)
+    assert config.slos.resolve("zzz") == SLO(config.ttft_slo_s, config.tbt_slo_s)
+    assert config.slos.resolve("b", ttft_s=0.5) == SLO(0.5, 0.2)
+    assert parse_config(ConductorConfig, [], {}) == ConductorConfig()
+
+
+def test_bad_config_values_name_the_setting() -> None:
+    with pytest.raises(ValueError, match="tenant_slos entry 'a=1'"):
+        parse_tenant_slos(("a=1",))
+    with pytest.raises(ValueError, match="admission_mode"):
+        ConductorConfig(admission_mode="sometimes")
+    with pytest.raises(SystemExit):
+        parse_config(ConductorConfig, [], {"TIDEKV_MAX_RUNNING": "many"})
+    with pytest.raises(SystemExit):
+        parse_config(ConductorConfig, ["--policy", "nope"], {})
+    with pytest.raises(SystemExit):
+        parse_config(ConductorConfig, [], {"TIDEKV_POLICY": "mooncak"})
