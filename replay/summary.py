@@ -1,0 +1,153 @@
+"""``summary.json``: the one summary computation over ``RequestRecord``s, for live and simulated runs.
+
+``summarize(records, trace=..., run=...)`` is a pure function; ``Summary`` round-trips through
+``to_dict``/``from_dict`` and ``flatten`` gives the dotted numeric view that ``report compare``
+tabulates.
+
+Definitions (all times in seconds):
+- TTFT and latency over finished requests; TBT (Mooncake, ``stats.tbt_s``) and mean ITL per
+  finished request with at least 2 tokens; ``itl_s`` pools every interval of every finished
+  request (vLLM's ITL).
+- ``send_delay_s``: actual minus scheduled arrival over all requests; large when every sender
+  was busy (``max_concurrency``) and the replay fell behind the trace's arrival process.
+- ``duration_s``: replay start (0) to the last request's end.
+- ``slo.num_met``: finished requests with TTFT <= their ttft_slo_s and TBT <= their tbt_slo_s
+  (an absent SLO is no constraint); ``goodput_rps = num_met / duration_s``; ``attainment =
+  num_met / total`` (rejected, failed and cancelled requests miss).
+- ``cache.ratio``: sum of cached tokens / sum of prompt tokens over finished requests.
+- ``workers``: per prefill worker requests, prompt and cached tokens; per decode worker
+  requests and output tokens (requests that reached the worker, whatever their end).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from replay.records import CANCELLED, FAILED, FINISHED, OUTCOMES, REJECTED, SCHEMA_VERSION, RequestRecord
+from replay.stats import LatencyStats, meets_slo, tbt_s, token_intervals
+
+
+@dataclass(frozen=True)
+class Counts:
+    total: int
+    finished: int
+    rejected: int
+    failed: int
+    cancelled: int
+
+
+@dataclass(frozen=True)
+class SloStats:
+    num_with_slo: int  # requests that carry a TTFT or TBT SLO
+    num_met: int
+    attainment: float
+    goodput_rps: float
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    prompt_tokens: int
+    cached_tokens: int
+    ratio: float
+
+
+@dataclass(frozen=True)
+class Summary:
+    schema_version: int
+    source: str
+    counts: Counts
+    duration_s: float
+    ttft_s: LatencyStats
+    tbt_s: LatencyStats
+    itl_s: LatencyStats
+    latency_s: LatencyStats
+    send_delay_s: LatencyStats  # actual minus scheduled arrival: > 0 when the replay fell behind
+    slo: SloStats
+    cache: CacheStats
+    finished_rps: float
+    output_tokens_per_s: float
+    workers: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    trace: dict[str, Any] | None = None  # ScaledTrace.describe(), with the TraceTransform
+    run: dict[str, Any] = field(default_factory=dict)  # how it ran: endpoint, concurrency, ...
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Summary:
+        if d.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(f"summary schema_version {d.get('schema_version')!r}; this reader knows {SCHEMA_VERSION}")
+        kw = dict(d)
+        kw["counts"] = Counts(**d["counts"])
+        for name in ("ttft_s", "tbt_s", "itl_s", "latency_s", "send_delay_s"):
+            kw[name] = LatencyStats(**d[name])
+        kw["slo"], kw["cache"] = SloStats(**d["slo"]), CacheStats(**d["cache"])
+        return cls(**kw)
+
+    def flatten(self) -> dict[str, float]:
+        """Dotted numeric fields (``ttft_s.p50``, ``workers.prefill.prefill-0.requests``), for tables."""
+        out: dict[str, float] = {}
+
+        def walk(prefix: str, v: Any) -> None:
+            if isinstance(v, dict):
+                for k, x in v.items():
+                    walk(f"{prefix}.{k}" if prefix else k, x)
+            elif isinstance(v, int | float) and not isinstance(v, bool):
+                out[prefix] = v
+
+        d = self.to_dict()
+        for skip in ("trace", "run", "schema_version"):
+            d.pop(skip)
+        walk("", d)
+        return out
+
+
+def _workers(records: Sequence[RequestRecord]) -> dict[str, dict[str, dict[str, int]]]:
+    prefill: dict[str, Counter] = {}
+    decode: dict[str, Counter] = {}
+    for r in records:
+        if r.prefill_worker:
+            c = prefill.setdefault(r.prefill_worker, Counter())
+            c.update(requests=1, prompt_tokens=r.prompt_tokens or r.prompt_len, cached_tokens=r.cached_tokens)
+        if r.decode_worker:
+            decode.setdefault(r.decode_worker, Counter()).update(requests=1, output_tokens=r.num_output_tokens)
+    prefill_keys, decode_keys = ("requests", "prompt_tokens", "cached_tokens"), ("requests", "output_tokens")
+    return {"prefill": {w: {k: c[k] for k in prefill_keys} for w, c in sorted(prefill.items())},
+            "decode": {w: {k: c[k] for k in decode_keys} for w, c in sorted(decode.items())}}
+
+
+def _source(records: Sequence[RequestRecord]) -> str:
+    sources = {r.source for r in records}
+    return sources.pop() if len(sources) == 1 else "mixed"
+
+
+def summarize(records: Sequence[RequestRecord], *, trace: dict[str, Any] | None = None,
+              run: dict[str, Any] | None = None) -> Summary:
+    """The summary of one run; ``trace`` is ``ScaledTrace.describe()``. Pure."""
+    by = Counter(r.outcome for r in records)
+    assert set(by) <= set(OUTCOMES), by
+    done = [r for r in records if r.outcome == FINISHED]
+    tbts = [t for t in (tbt_s(r.token_times_s) for r in done) if t is not None]
+    gaps = [g for r in done for g in token_intervals(r.token_times_s)]
+    duration = max((r.end_s for r in records), default=0.0)
+    met = sum(meets_slo(r.ttft_s, tbt_s(r.token_times_s), r.ttft_slo_s, r.tbt_slo_s) for r in done)
+    prompt = sum(r.prompt_tokens or r.prompt_len for r in done)
+    cached = sum(r.cached_tokens for r in done)
+    per_s = (lambda n: n / duration) if duration > 0 else (lambda n: 0.0)
+    return Summary(
+        schema_version=SCHEMA_VERSION, source=_source(records),
+        counts=Counts(total=len(records), finished=by[FINISHED], rejected=by[REJECTED], failed=by[FAILED],
+                      cancelled=by[CANCELLED]),
+        duration_s=duration,
+        ttft_s=LatencyStats.of([r.ttft_s for r in done if r.ttft_s is not None]),
+        tbt_s=LatencyStats.of(tbts), itl_s=LatencyStats.of(gaps),
+        latency_s=LatencyStats.of([r.latency_s for r in done if r.latency_s is not None]),
+        send_delay_s=LatencyStats.of([r.arrival_s - r.scheduled_s for r in records]),
+        slo=SloStats(num_with_slo=sum(r.ttft_slo_s is not None or r.tbt_slo_s is not None for r in records),
+                     num_met=met, attainment=met / len(records) if records else 0.0, goodput_rps=per_s(met)),
+        cache=CacheStats(prompt_tokens=prompt, cached_tokens=cached, ratio=cached / prompt if prompt else 0.0),
+        finished_rps=per_s(len(done)), output_tokens_per_s=per_s(sum(r.num_output_tokens for r in done)),
+        workers=_workers(records), trace=trace, run=dict(run or {}))

@@ -1,0 +1,68 @@
+"""Report directories and ``report compare`` on hand-made records (no cluster needed)."""
+
+import json
+
+import matplotlib.image
+import pytest
+
+from replay.cli import main
+from replay.plots import PLOT_FILES
+from replay.report import compare_summaries, load_report, write_comparison, write_report
+from replay.summary import summarize
+from tests.replay.helpers import rec
+from tests.replay.test_stats import hand_made
+
+
+def assert_png(path) -> None:
+    img = matplotlib.image.imread(path)
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+    assert img.std() > 0  # something is drawn, not a blank canvas
+
+
+def test_write_and_load_report(tmp_path):
+    records = hand_made()
+    summary = summarize(records, trace={"source": "x", "transform": {"rate_scale": 2.0}})
+    paths = write_report(tmp_path / "r", records, summary)
+    assert [p.name for p in paths] == ["requests.jsonl", "summary.json", *PLOT_FILES]
+    for name in PLOT_FILES:
+        assert_png(tmp_path / "r" / name)
+    report = load_report(tmp_path / "r")
+    assert report.records == tuple(records) and report.summary == summary
+    on_disk = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert on_disk["schema_version"] == 1 and on_disk["counts"]["total"] == 6
+    with pytest.raises(ValueError, match="requests.jsonl is missing"):
+        load_report(tmp_path)
+
+
+def test_compare_with_itself_is_all_ones_and_ratios_are_b_over_a(tmp_path):
+    a = summarize(hand_made())
+    rows = compare_summaries(a, a)
+    assert rows and all(r.ratio == 1.0 for r in rows)
+    b = summarize([*hand_made(), rec(9, arrival=5.0, ttft=2.0, gaps=(0.1,))])
+    by = {r.metric: r for r in compare_summaries(a, b)}
+    assert by["counts.total"].ratio == pytest.approx(7 / 6)
+    assert by["counts.rejected"].ratio == 1.0 and by["counts.cancelled"].ratio == 1.0  # 0 and 0
+    assert by["ttft_s.max"].b == pytest.approx(2.0)
+
+
+def test_report_compare_cli(tmp_path, capsys):
+    records = hand_made()
+    write_report(tmp_path / "a", records, summarize(records), plots=False)
+    write_report(tmp_path / "b", records, summarize(records), plots=False)
+    assert main(["report", "compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert "| ttft_s.p50 |" in out and "ratio (B/A)" in out
+    rows = json.loads((tmp_path / "c" / "compare.json").read_text())["rows"]
+    assert rows and all(r["ratio"] == 1.0 for r in rows)
+    assert "| counts.total | 6 | 6 | 1 |" in (tmp_path / "c" / "compare.md").read_text()
+    for name in ("compare_ttft_cdf.png", "compare_tbt_cdf.png"):
+        assert_png(tmp_path / "c" / name)
+    assert main(["report", "compare", str(tmp_path / "a"), str(tmp_path / "nope")]) == 2
+
+
+def test_write_comparison_without_plots(tmp_path):
+    records = hand_made()
+    write_report(tmp_path / "a", records, summarize(records), plots=False)
+    table, paths = write_comparison(tmp_path / "c", load_report(tmp_path / "a"), load_report(tmp_path / "a"),
+                                    plots=False)
+    assert [p.name for p in paths] == ["compare.md", "compare.json"] and table.startswith("| metric |")
