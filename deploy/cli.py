@@ -136,8 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--demo", action="store_true", help="run the demo requests, then stop")
     up.set_defaults(func=_cmd_up)
     from costmodel.cli import add_calibrate_parser
+    from replay.cli import add_replay_parser, add_report_parser
+    from replay.sim.cli import add_simulate_parser
 
     add_calibrate_parser(sub)
+    add_replay_parser(sub)
+    add_report_parser(sub)
+    add_simulate_parser(sub)
     serve = sub.add_parser("serve", help="run one process of a cluster", add_help=False)
     serve.add_argument("--role", required=True, choices=["conductor", "prefill", "decode"])
     serve.set_defaults(func=_cmd_serve)

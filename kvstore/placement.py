@@ -20,13 +20,14 @@ from kvstore.device import DeviceTier
 from kvstore.dram import DramTier
 from kvstore.eviction import EvictionPolicy, EvictionView, make_policy
 from kvstore.payload import BlockPayload, decode, encode, encode_parts
+from kvstore.sized import SizedBlob, SizedTier
 from kvstore.ssd import SsdTier
 
 logger = logging.getLogger(__name__)
 
 EventKind = Literal["stored", "moved", "removed"]
-Blob = BlockPayload | bytes | bytearray  # a block as a payload or as its encoded bytes
-Backend = DeviceTier | DramTier | SsdTier
+Blob = BlockPayload | bytes | bytearray | SizedBlob  # a payload, its encoded bytes, or (simulator) its size
+Backend = DeviceTier | DramTier | SsdTier | SizedTier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +179,11 @@ class Placement:
             while not backend.put(key, payload):  # the engine holds the other pages
                 if not self._make_room(tier, backend.ledger.free_bytes + 1):
                     return False
+        elif isinstance(backend, SizedTier):
+            assert isinstance(blob, SizedBlob), f"a sized tier holds sizes, not {type(blob).__name__}"
+            if not self._make_room(tier, blob.size_bytes):
+                return False
+            backend.put(key, blob)
         elif isinstance(backend, DramTier):
             data = as_bytes(blob)
             if not self._make_room(tier, len(data)):

@@ -1,0 +1,147 @@
+"""``tidekv simulate``: one simulated run with a report, or a sweep over cluster shapes and
+policies that prints the cheapest configuration meeting the SLOs at the trace's rate.
+
+``add_simulate_parser(subparsers)`` adds the subcommand (``deploy/cli.py`` wires it in); the
+trace, selection and scaling flags are the live replay's (``replay.cli.add_trace_args``), so
+a simulated run and a live one of the same window are made from the same transform.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+from conductor.config import ADMISSION_MODES, ConductorConfig
+from costmodel import CostModels
+from decode_worker.config import DecodeConfig
+from prefill_worker.config import PrefillConfig
+from replay.cli import add_trace_args, summary_text, transform_from_args
+from replay.sim.run import SimConfig, SimResult, simulate
+
+SWEEP_KEYS = ("prefill", "decode", "policy")
+
+
+def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("simulate", help="simulate a trace on a modelled cluster (same Conductor core)")
+    add_trace_args(p)
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--policy", default="mooncake")
+    p.add_argument("--admission-mode", default="predictive", choices=ADMISSION_MODES)
+    p.add_argument("--no-pull", action="store_true", help="local reuse only (no pulls between prefill workers)")
+    p.add_argument("--calibration", default="", help="cost models from `tidekv calibrate` "
+                                                     "(default: the built-in estimate for tiny on CPU)")
+    p.add_argument("--dram-bytes", type=int, default=PrefillConfig.dram_bytes, help="DRAM tier per prefill worker")
+    p.add_argument("--ssd-bytes", type=int, default=PrefillConfig.ssd_bytes, help="SSD tier per prefill worker")
+    p.add_argument("--eviction", default="lru")
+    p.add_argument("--snapshot-interval-blocks", type=int, default=PrefillConfig.snapshot_interval_blocks)
+    p.add_argument("--decode-pages", type=int, default=DecodeConfig.num_pages, help="pages per decode worker")
+    p.add_argument("--decode-slots", type=int, default=DecodeConfig.num_slots)
+    p.add_argument("--max-batch", type=int, default=DecodeConfig.max_batch)
+    p.add_argument("--max-running", type=int, default=ConductorConfig.max_running)
+    p.add_argument("--max-queued", type=int, default=ConductorConfig.max_queued)
+    p.add_argument("--sweep", nargs="*", default=None, metavar="KEY=V1,V2",
+                   help=f"simulate every combination of {', '.join(SWEEP_KEYS)} and print the cheapest that "
+                        "meets the SLOs")
+    p.add_argument("--min-attainment", type=float, default=0.9, help="sweep: SLO attainment a config must reach")
+    p.add_argument("--out", default="", help="report directory (default simulate-<date>-<time>)")
+    p.add_argument("--no-plots", action="store_true")
+    p.set_defaults(func=run_simulate)
+    return p
+
+
+def _costs(args: argparse.Namespace) -> CostModels:
+    if args.calibration:
+        return CostModels.load(args.calibration)
+    from costmodel.builtin import tiny_cpu_estimate
+
+    print("simulate: no --calibration: using the built-in estimate for the tiny model on CPU", file=sys.stderr)
+    return tiny_cpu_estimate()
+
+
+def sim_config(args: argparse.Namespace, **override) -> SimConfig:
+    v = {**vars(args), **override}  # the requests carry the SLOs (the transform's --ttft-slo-s, --tbt-slo-s)
+    conductor = ConductorConfig(policy=v["policy"], admission_mode=v["admission_mode"],
+                                pull_from_peers=not v["no_pull"], max_running=v["max_running"],
+                                max_queued=v["max_queued"])
+    prefill = PrefillConfig(dram_bytes=v["dram_bytes"], ssd_bytes=v["ssd_bytes"], eviction=v["eviction"],
+                            snapshot_interval_blocks=v["snapshot_interval_blocks"])
+    decode = DecodeConfig(num_pages=v["decode_pages"], num_slots=v["decode_slots"], max_batch=v["max_batch"])
+    return SimConfig(int(v["prefill"]), int(v["decode"]), conductor, prefill, decode)
+
+
+def parse_sweep(items: list[str]) -> dict[str, list[str]]:
+    """``["prefill=2,4", "policy=mooncake"]`` -> ``{"prefill": ["2", "4"], "policy": ["mooncake"]}``."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        if not sep or key not in SWEEP_KEYS or not values:
+            raise ValueError(f"--sweep {item!r}: expected KEY=V1,V2 with KEY one of {', '.join(SWEEP_KEYS)}")
+        out[key] = [x for x in values.split(",") if x]
+    return out
+
+
+def _row(shape: dict, result: SimResult) -> dict:
+    s = result.summary
+    return {**shape, "attainment": s.slo.attainment, "goodput_rps": s.slo.goodput_rps, "ttft_p50_s": s.ttft_s.p50,
+            "ttft_p90_s": s.ttft_s.p90, "tbt_p90_s": s.tbt_s.p90, "rejected": s.counts.rejected,
+            "cached_ratio": s.cache.ratio, "wall_s": result.stats["wall_s"]}
+
+
+def run_sweep(args: argparse.Namespace, scaled, costs: CostModels) -> tuple[list[dict], dict | None]:
+    grid = parse_sweep(args.sweep)
+    keys = list(grid)
+    rows = []
+    combos = list(itertools.product(*(grid[k] for k in keys)))
+    for i, values in enumerate(combos, start=1):
+        shape = dict(zip(keys, values, strict=True))
+        result = simulate(scaled, sim_config(args, **shape), costs)
+        rows.append(_row({k: shape.get(k, getattr(args, k)) for k in SWEEP_KEYS}, result))
+        print(f"\rsweep {i}/{len(combos)}: {shape} attainment {rows[-1]['attainment']:.3f}", end="", file=sys.stderr)
+    print(file=sys.stderr)
+    meeting = [r for r in rows if r["attainment"] >= args.min_attainment]
+    best = min(meeting, key=lambda r: (int(r["prefill"]) + int(r["decode"]), -r["attainment"]), default=None)
+    return rows, best
+
+
+def _print_rows(rows: list[dict]) -> None:
+    cols = [*SWEEP_KEYS, "attainment", "goodput_rps", "ttft_p50_s", "ttft_p90_s", "tbt_p90_s", "rejected",
+            "cached_ratio"]
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols))
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from replay.report import write_report
+    from replay.traces import read_trace
+    from replay.transform import apply_transform
+
+    transform = transform_from_args(args)
+    trace = read_trace(args.trace, args.format, block_tokens=args.trace_block_tokens)
+    scaled = apply_transform(trace, transform, materialise=False)
+    costs = _costs(args)
+    out = Path(args.out or time.strftime("simulate-%Y%m%d-%H%M%S"))
+    if args.sweep is not None:
+        rows, best = run_sweep(args, scaled, costs)
+        _print_rows(rows)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sweep.json").write_text(json.dumps({"rows": rows, "best": best}, indent=2) + "\n")
+        if best is None:
+            print(f"no configuration reaches SLO attainment {args.min_attainment}")
+            return 1
+        print(f"cheapest meeting the SLOs (attainment >= {args.min_attainment}): {best['prefill']} prefill + "
+              f"{best['decode']} decode, policy {best['policy']} (attainment {best['attainment']:.3f})")
+        return 0
+    config = sim_config(args)
+    print(f"simulating {len(scaled.requests)} requests on {config.num_prefill} prefill + {config.num_decode} decode "
+          f"({config.conductor.policy}) -> {out}", file=sys.stderr)
+    result = simulate(scaled, config, costs)
+    write_report(out, result.records, result.summary, plots=not args.no_plots)
+    print(summary_text(result.summary))
+    print(f"simulated in {result.stats['wall_s']:.2f}s ({result.stats['num_events']} events); report: {out}")
+    return 0

@@ -1,0 +1,89 @@
+"""The registry the simulated Conductor reads: what the workers' last heartbeats said.
+
+Implements ``conductor.core.ClusterView`` over the modelled workers. Every
+``heartbeat_interval_s`` each worker's load is copied here, stamped with the simulated wall
+clock, as a live worker's heartbeat would arrive; between heartbeats the core relies on its
+pending overlay, exactly as the live Conductor does. Block holdings go straight to the
+``MemoryIndex`` (the live Prefill response carries them the same way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from conductor.snapshot import RegistryEntry
+from kvstore.blocks import BlockKey
+from kvstore.index import BlockEvent, MatchSnapshot, WorkerInfo, WorkerLoad, WorkerRole
+from kvstore.index_memory import MemoryIndex
+from replay.sim.decode import SimDecode
+from replay.sim.events import EventLoop
+from replay.sim.prefill import SimPrefill
+
+FINGERPRINT = "simulated"
+
+
+class SimCluster:
+    model_fingerprint = FINGERPRINT
+
+    def __init__(self, loop: EventLoop, block_size: int, heartbeat_interval_s: float):
+        self.loop, self.block_size, self.heartbeat_interval_s = loop, block_size, heartbeat_interval_s
+        self.index = MemoryIndex(ttl_s=1e18, clock=loop.clock.now)
+        self.prefill: dict[str, SimPrefill] = {}
+        self.decode: dict[str, SimDecode] = {}
+        self._loads: dict[str, WorkerLoad] = {}
+        self.last_match: MatchSnapshot | None = None
+
+    def add(self, worker: SimPrefill | SimDecode) -> None:
+        is_prefill = isinstance(worker, SimPrefill)
+        (self.prefill if is_prefill else self.decode)[worker.worker_id] = worker  # type: ignore[index]
+        role = WorkerRole.PREFILL if is_prefill else WorkerRole.DECODE
+        self.index.register(WorkerInfo(worker.worker_id, role, f"sim://{worker.worker_id}",
+                                       worker.config.num_pages, 0, 0))
+        self._loads[worker.worker_id] = worker.load()
+
+    def start_heartbeats(self) -> None:
+        """Staggered heartbeats: worker ``i`` of ``n`` beats at phase ``(i + 1) / n`` of the interval.
+
+        An idle worker's load does not change, so once a heartbeat has reported it idle the
+        next ones are skipped until ``wake`` (new work); the loads read are the same."""
+        workers = [*self.prefill.values(), *self.decode.values()]
+        self._phase_s = {w.worker_id: self.heartbeat_interval_s * (i + 1) / len(workers)
+                         for i, w in enumerate(workers)}
+        self._beating: set[str] = set()
+        for w in workers:
+            self.wake(w)
+
+    def wake(self, worker: SimPrefill | SimDecode) -> None:
+        """``worker`` got work: make sure its heartbeats run (at its phase)."""
+        if worker.worker_id in self._beating:
+            return
+        self._beating.add(worker.worker_id)
+        interval, phase = self.heartbeat_interval_s, self._phase_s[worker.worker_id]
+        next_s = phase + interval * max(0, int((self.loop.now - phase) // interval) + 1)
+        self.loop.at(next_s, self._beat, worker)
+
+    def _beat(self, worker: SimPrefill | SimDecode) -> None:
+        load = worker.load()
+        self._loads[worker.worker_id] = load
+        if worker.idle:
+            self._beating.discard(worker.worker_id)
+        else:
+            self.loop.at(self.loop.now + self.heartbeat_interval_s, self._beat, worker)
+
+    # ---- ClusterView ----------------------------------------------------------------------------
+    def registry_view(self, wall_now_s: float) -> tuple[RegistryEntry, ...]:
+        out = []
+        for role, workers in ((WorkerRole.PREFILL, self.prefill), (WorkerRole.DECODE, self.decode)):
+            for wid in sorted(workers):
+                load = self._loads[wid]
+                out.append(RegistryEntry(wid, role, f"sim://{wid}", f"{workers[wid].backend}://{wid}"
+                                         if role is WorkerRole.PREFILL else f"tcp://{wid}", load,
+                                         max(0.0, wall_now_s - load.timestamp_s)))
+        return tuple(out)
+
+    def match(self, keys: Sequence[BlockKey]) -> MatchSnapshot | None:
+        self.last_match = self.index.match(keys) if keys else None
+        return self.last_match
+
+    def apply_events(self, events: Sequence[BlockEvent]) -> None:
+        self.index.apply(events)

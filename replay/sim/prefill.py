@@ -1,0 +1,138 @@
+"""A modelled prefill worker: one prefill at a time in arrival order, as the live runner does,
+over a real ``Placement`` of sized blocks (DRAM and SSD capacities in bytes, the configured
+eviction policy, demotion and promotion) whose every change is published to the index.
+
+A job's reuse follows the live runner (``prefill_worker.runner``): at its start it takes the
+planned leading blocks from the holder (a pull, kept here: a replica) or from its own store,
+stops at the first missing one, and cuts back to the deepest block with a KDA snapshot. It
+then takes ``pull_s`` (when it pulled) plus ``prefill_s(new, reused)`` and stores every new
+full block, with snapshots at the snapshot points.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from costmodel import CostModels
+from kvstore.blocks import BlockKey, Tier
+from kvstore.hitrule import SnapshotPolicy
+from kvstore.index import BlockEvent, GlobalIndex, PrefillJobLoad, WorkerLoad
+from kvstore.placement import Placement, StoreEvent
+from kvstore.sized import SizedBlob, SizedTier
+from prefill_worker.config import PrefillConfig
+from replay.sim.events import EventLoop
+
+
+@dataclass
+class SimPrefillJob:
+    request_id: str
+    num_prompt_tokens: int
+    block_size: int
+    keys: tuple[BlockKey, ...]  # the prompt's full blocks
+    num_reuse_blocks: int  # planned
+    holder: str | None
+    started_s: float | None = None
+    num_reused_tokens: int = 0  # actual, once started
+    pulled: bool = False
+
+    @property
+    def planned_reused_tokens(self) -> int:
+        return min(self.num_reuse_blocks * self.block_size, self.num_prompt_tokens - 1)
+
+
+class SimPrefill:
+    def __init__(self, worker_id: str, config: PrefillConfig, costs: CostModels, index: GlobalIndex,
+                 loop: EventLoop, peers: dict[str, SimPrefill], on_done: Callable[[SimPrefillJob], None],
+                 backend: str = "tcp"):
+        self.worker_id, self.config, self.costs, self.index, self.loop = worker_id, config, costs, index, loop
+        self.peers, self.on_done, self.backend = peers, on_done, backend
+        self.block_size = config.block_size
+        self.snapshots = SnapshotPolicy(config.snapshot_interval_blocks)
+        tiers = {Tier.DRAM: SizedTier(Tier.DRAM, config.dram_bytes), Tier.SSD: SizedTier(Tier.SSD, config.ssd_bytes)}
+        self.store = Placement(tiers, config.eviction, Tier.DRAM, on_event=self._publish)
+        self.queue: deque[SimPrefillJob] = deque()
+        self.running: SimPrefillJob | None = None
+        self.num_busy_s = 0.0
+
+    def _publish(self, e: StoreEvent) -> None:
+        event = (BlockEvent.removed(self.worker_id, e.key) if e.kind == "removed"
+                 else BlockEvent.stored(self.worker_id, e.key, e.tier, e.has_snapshot))
+        self.index.apply([event])
+
+    def _blob(self, has_snapshot: bool) -> SizedBlob:
+        size = self.block_size * self.costs.kv_bytes_per_token + (self.costs.snapshot_bytes if has_snapshot else 0)
+        return SizedBlob(size, has_snapshot)
+
+    # ---- the queue ----------------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        return self.running is None and not self.queue
+
+    def submit(self, job: SimPrefillJob) -> None:
+        self.queue.append(job)
+        if self.running is None:
+            self._start_next()
+
+    def load(self) -> WorkerLoad:
+        jobs = []
+        if self.running is not None:
+            j = self.running
+            jobs.append(PrefillJobLoad(j.request_id, j.num_prompt_tokens - j.num_reused_tokens, j.num_reused_tokens,
+                                       max(1e-9, self.loop.now - (j.started_s or self.loop.now))))
+        for j in self.queue:
+            reused = j.planned_reused_tokens
+            jobs.append(PrefillJobLoad(j.request_id, j.num_prompt_tokens - reused, reused))
+        return WorkerLoad(num_queued=len(self.queue), num_running=int(self.running is not None),
+                          num_free_pages=self.config.num_pages, prefill_jobs=tuple(jobs),
+                          timestamp_s=self.loop.clock.wall())
+
+    def _start_next(self) -> None:
+        if not self.queue:
+            self.running = None
+            return
+        job = self.running = self.queue.popleft()
+        job.started_s = self.loop.now
+        pull_s = self._reuse(job)
+        n, reused = job.num_prompt_tokens, job.num_reused_tokens
+        duration = pull_s + self.costs.prefill_s(n - reused, reused)
+        self.num_busy_s += duration
+        self.loop.at(self.loop.now + duration, self._finish, job)
+
+    # ---- reuse, compute, store ----------------------------------------------------------------
+    def _reuse(self, job: SimPrefillJob) -> float:
+        """Loads the planned prefix (as the live runner does); returns the pull's time."""
+        keys = job.keys[: job.num_reuse_blocks]
+        found: list[SizedBlob] = []
+        pull_s = 0.0
+        if job.holder is not None and keys:
+            holder = self.peers[job.holder]
+            pulled = [holder.store.get(k) for k in keys]
+            if all(b is not None for b in pulled):  # PushBlocks sends all or fails
+                tier = max((holder.store.where.get(k, Tier.DRAM) for k in keys), default=Tier.DRAM)
+                num_snapshots = sum(b.has_snapshot for b in pulled)
+                pull_s = self.costs.pull_s(len(keys) * self.block_size, num_snapshots, self.backend, tier)
+                for key, blob in zip(keys, pulled, strict=True):
+                    self.store.put(key, blob, blob.has_snapshot, Tier.DRAM)
+                found = pulled
+                job.pulled = True
+        if not found:
+            for key in keys:
+                blob = self.store.get(key)
+                if blob is None:
+                    break
+                found.append(blob)
+        while found and not found[-1].has_snapshot:
+            found.pop()
+        job.num_reused_tokens = len(found) * self.block_size
+        return pull_s
+
+    def _finish(self, job: SimPrefillJob) -> None:
+        num_full = len(job.keys)
+        points = set(self.snapshots.snapshot_points(num_full))
+        for i in range(job.num_reused_tokens // self.block_size, num_full):
+            snap = i in points
+            self.store.put(job.keys[i], self._blob(snap), snap, Tier.DRAM)
+        self.on_done(job)
+        self._start_next()

@@ -1,0 +1,232 @@
+"""Requests through their lifecycle in the simulator, in the live Conductor's order: admission,
+``ConductorCore.route`` (the real policy on the real snapshot), reserve on the decode worker,
+prefill (queued on the chosen worker, pulling the planned prefix), first token, decode in the
+continuous batch, end. Each request ends in exactly one ``RequestRecord``.
+
+``simulate(scaled, config, costs)`` is the entry point; ``SimConfig`` holds the cluster's
+shape and every component's config (the same frozen configs the live processes parse).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from conductor.config import ConductorConfig
+from conductor.core import ConductorCore, RequestFacts
+from conductor.routing import PolicyContext, Rejection, RouteDecision, make_policy
+from costmodel import CostModels
+from decode_worker.config import DecodeConfig
+from kvstore.blocks import chain_keys
+from prefill_worker.config import PrefillConfig
+from replay.records import FINISHED, REJECTED, RequestRecord
+from replay.sim.cluster import FINGERPRINT, SimCluster
+from replay.sim.decode import SimDecode, SimDecodeRequest
+from replay.sim.events import EventLoop
+from replay.sim.keys import KeyCache
+from replay.sim.prefill import SimPrefill, SimPrefillJob
+from replay.summary import Summary, summarize
+from replay.transform import ReplayRequest, ScaledTrace
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    num_prefill: int = 1
+    num_decode: int = 1
+    conductor: ConductorConfig = field(default_factory=ConductorConfig)
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError(f"need at least one worker of each role, got {self.num_prefill} prefill and "
+                             f"{self.num_decode} decode")
+
+    def describe(self) -> dict:
+        return {"num_prefill": self.num_prefill, "num_decode": self.num_decode, "policy": self.conductor.policy,
+                "admission_mode": self.conductor.admission_mode, "dram_bytes": self.prefill.dram_bytes,
+                "ssd_bytes": self.prefill.ssd_bytes, "eviction": self.prefill.eviction,
+                "decode_pages": self.decode.num_pages, "max_batch": self.decode.max_batch,
+                "snapshot_interval_blocks": self.prefill.snapshot_interval_blocks}
+
+
+@dataclass
+class _Life:
+    req: ReplayRequest
+    seq: int
+    keys: tuple[bytes, ...] = ()
+    decision: RouteDecision | None = None
+    routed_s: float = 0.0
+    first_s: float | None = None
+    cached_tokens: int = 0
+    token_times_s: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    records: tuple[RequestRecord, ...]
+    summary: Summary
+    stats: dict
+
+
+class Simulation:
+    def __init__(self, scaled: ScaledTrace, config: SimConfig, costs: CostModels):
+        t = scaled.transform
+        self.scaled, self.costs, self.k = scaled, costs, t.blocks_per_trace_block
+        self.block_size = t.block_size
+        self.config = dataclasses.replace(
+            config, prefill=dataclasses.replace(config.prefill, block_size=t.block_size),
+            decode=dataclasses.replace(config.decode, block_size=t.block_size))
+        c = self.config.conductor
+        self.loop = EventLoop()
+        self.cluster = SimCluster(self.loop, t.block_size, c.heartbeat_interval_s)
+        policy = make_policy(c.policy, PolicyContext(c.routing, costs))
+        self.core = ConductorCore(self.cluster, policy, c.slos, self.loop.clock)
+        self.keys = KeyCache()
+        peers: dict[str, SimPrefill] = {}
+        for i in range(self.config.num_prefill):
+            w = SimPrefill(f"prefill-{i}", self.config.prefill, costs, self.cluster.index, self.loop, peers,
+                           self._prefill_done, self.config.prefill.transfer_backend)
+            peers[w.worker_id] = w
+            self.cluster.add(w)
+        for i in range(self.config.num_decode):
+            self.cluster.add(SimDecode(f"decode-{i}", self.config.decode, costs, self.loop, self._decode_done,
+                                       self._decode_progress))
+        self.lives: dict[str, _Life] = {}
+        self.records: list[RequestRecord] = []
+        self.num_running = 0
+        self.admission_queue: deque[_Life] = deque()
+        self.prefix_hit_blocks = 0
+        self.trace_blocks = 0
+
+    # ---- arrival and admission ----------------------------------------------------------------
+    def _arrive(self, life: _Life) -> None:
+        c = self.config.conductor
+        if self.num_running < c.max_running:
+            self.num_running += 1
+            self._route(life)
+        elif len(self.admission_queue) < c.max_queued:
+            self.admission_queue.append(life)
+            self.loop.at(self.loop.now + c.max_queue_wait_s, self._queue_timeout, life)
+        else:
+            self._reject(life, f"admission queue full: {self.num_running} running (limit {c.max_running}), "
+                               f"{len(self.admission_queue)} queued (limit {c.max_queued})", 1.0)
+
+    def _queue_timeout(self, life: _Life) -> None:
+        if life in self.admission_queue:
+            self.admission_queue.remove(life)
+            self._reject(life, "waited in the admission queue without a free slot", 1.0)
+
+    def _leave(self) -> None:
+        self.num_running -= 1
+        if self.admission_queue:
+            self.num_running += 1
+            self._route(self.admission_queue.popleft())
+
+    # ---- routing and prefill ------------------------------------------------------------------
+    def _block_keys(self, r: ReplayRequest) -> tuple[bytes, ...]:
+        num_full = r.prompt_len // self.block_size
+        if r.hash_ids:
+            return self.keys.chain(r.hash_ids, num_full, self.k, r.tenant)
+        return tuple(chain_keys(r.prompt_ids, self.block_size, FINGERPRINT, r.tenant))
+
+    def _route(self, life: _Life) -> None:
+        r = life.req
+        life.keys = self._block_keys(r)
+        facts = RequestFacts(r.request_id, life.seq, (), r.max_tokens, r.tenant, r.ttft_slo_s or 0.0,
+                             r.tbt_slo_s or 0.0, block_keys=life.keys, num_prompt_tokens=r.prompt_len)
+        routed = self.core.route(facts)
+        match = self.cluster.last_match
+        present = max((m.num_blocks_present for m in match.matches), default=0) if match else 0
+        self.prefix_hit_blocks += present // self.k
+        self.trace_blocks += len(r.hash_ids)
+        if isinstance(routed.outcome, Rejection):
+            self._leave()
+            self._reject(life, routed.outcome.reason, routed.outcome.retry_after_s)
+            return
+        decision = life.decision = routed.outcome
+        life.routed_s = self.loop.now
+        decode = self.cluster.decode[decision.decode_worker]
+        if not decode.try_reserve(r.request_id, r.prompt_len + r.max_tokens):
+            self.core.pending.finish(r.request_id, self.loop.now)
+            self._leave()
+            self._reject(life, f"decode cache full on {decode.worker_id}", 1.0)
+            return
+        prefill = self.cluster.prefill[decision.prefill_worker]
+        self.cluster.wake(decode)
+        self.cluster.wake(prefill)
+        prefill.submit(SimPrefillJob(
+            r.request_id, r.prompt_len, self.block_size, life.keys, decision.reuse.num_blocks, decision.reuse.holder))
+
+    def _prefill_done(self, job: SimPrefillJob) -> None:
+        life = self.lives[job.request_id]
+        life.first_s, life.cached_tokens = self.loop.now, job.num_reused_tokens
+        self.core.pending.prefill_done(job.request_id, self.loop.now)
+        r = life.req
+        decode = self.cluster.decode[life.decision.decode_worker]
+        if r.max_tokens <= 1:
+            decode.release(r.request_id)
+            self._finish(life)
+            return
+        self.core.pending.decode_started(r.request_id, self.loop.now)
+        decode.join(SimDecodeRequest(r.request_id, r.prompt_len, r.max_tokens))
+
+    def _decode_progress(self, request: SimDecodeRequest) -> None:
+        self.core.pending.generated(request.request_id, request.num_generated)
+
+    def _decode_done(self, request: SimDecodeRequest) -> None:
+        life = self.lives[request.request_id]
+        life.token_times_s = request.token_times_s
+        self._finish(life)
+
+    # ---- records --------------------------------------------------------------------------------
+    def _base(self, life: _Life, outcome: str, **fields) -> RequestRecord:
+        r = life.req
+        return RequestRecord(request_id=r.request_id, index=r.index, source="simulated", outcome=outcome,
+                             scheduled_s=r.arrival_s, arrival_s=r.arrival_s, prompt_len=r.prompt_len,
+                             max_tokens=r.max_tokens, tenant=r.tenant, ttft_slo_s=r.ttft_slo_s,
+                             tbt_slo_s=r.tbt_slo_s, **fields)
+
+    def _reject(self, life: _Life, reason: str, retry_after_s: float) -> None:
+        self.records.append(self._base(life, REJECTED, status="RESOURCE_EXHAUSTED", error=reason,
+                                       retry_after_s=retry_after_s, latency_s=self.loop.now - life.req.arrival_s))
+
+    def _finish(self, life: _Life) -> None:
+        r, d, now = life.req, life.decision, self.loop.now
+        self.core.pending.finish(r.request_id, now)
+        self._leave()
+        ttft = life.first_s - r.arrival_s
+        times = (ttft, *(t - r.arrival_s for t in life.token_times_s))
+        self.records.append(self._base(
+            life, FINISHED, finish_reason="length", ttft_s=ttft, latency_s=now - r.arrival_s,
+            queue_s=life.routed_s - r.arrival_s, token_times_s=times, prompt_tokens=r.prompt_len,
+            cached_tokens=life.cached_tokens, prefill_worker=d.prefill_worker, decode_worker=d.decode_worker,
+            route_branch=d.branch.value, pulled_from=d.reuse.holder or "",
+            predicted_ttft_s=d.predicted.ttft_s or None, predicted_tbt_s=d.predicted.tbt_s or None))
+
+    # ---- the run --------------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        wall0 = time.perf_counter()
+        requests = self.scaled.requests
+        for seq, r in enumerate(requests):
+            life = self.lives[r.request_id] = _Life(r, seq)
+            self.loop.at(r.arrival_s, self._arrive, life)
+        self.cluster.start_heartbeats()
+        self.loop.run()
+        assert len(self.records) == len(requests), f"{len(self.records)} records for {len(requests)} requests"
+        stats = {
+            "wall_s": time.perf_counter() - wall0, "num_events": self.loop.num_events,
+            "prefix_hit_ratio_blocks": self.prefix_hit_blocks / self.trace_blocks if self.trace_blocks else 0.0,
+            "prefill_busy_s": {w.worker_id: w.num_busy_s for w in self.cluster.prefill.values()},
+            "config": self.config.describe(),
+        }
+        records = tuple(sorted(self.records, key=lambda rec: rec.index))
+        summary = summarize(records, trace=self.scaled.describe(), run={"simulator": stats})
+        return SimResult(records, summary, stats)
+
+
+def simulate(scaled: ScaledTrace, config: SimConfig, costs: CostModels) -> SimResult:
+    """Runs the whole scaled trace through a simulated cluster; see the module docstring."""
+    return Simulation(scaled, config, costs).run()
