@@ -24,7 +24,7 @@ import grpc
 from conductor.core import ConductorCore, RequestFacts
 from conductor.dispatch import Dispatcher, DispatchError, FailureKind, PrefillCall, PrefillResult, should_retry
 from conductor.records import RequestRecords
-from conductor.routing import Rejection, RouteDecision
+from conductor.routing import Rejection, RejectKind, RouteDecision
 from conductor.validation import ValidRequest
 from engine.tokenizer import Tokenizer
 from proto import inference_pb2 as pb
@@ -128,7 +128,10 @@ class RequestLife:
         self.t.routed = self.clock.now()
         if isinstance(routed.outcome, Rejection):
             rej = routed.outcome
-            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, rej.reason, rej.retry_after_s, rej.kind.value)
+            # No workers of a role is a service that is not up yet, not an overload.
+            unavailable = rej.kind is RejectKind.NO_WORKERS
+            code = grpc.StatusCode.UNAVAILABLE if unavailable else grpc.StatusCode.RESOURCE_EXHAUSTED
+            raise Refused(code, rej.reason, rej.retry_after_s, rej.kind.value)
         return routed.outcome, routed.keys
 
     def _reserve_and_prefill(self, decision: RouteDecision, keys: tuple[bytes, ...]) -> PrefillResult:

@@ -1,0 +1,283 @@
+"""The HTTP front's Starlette app (``build_app``) and process entry (``serve``), on uvicorn + uvloop.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE), ``GET
+/v1/models``, ``GET /health`` (this process is up), ``GET /ready`` (the Conductor's gRPC
+health says SERVING). Every request is one gRPC ``Generate`` call on one shared ``grpc.aio``
+channel, opened in the app's lifespan (it belongs to the event loop). A client that goes away
+cancels that call: for a stream through ``_Stream``, for a whole response through
+``_unless_disconnected``, which watches the ASGI ``http.disconnect`` while the answer is made.
+Errors are rendered once, in OpenAI's shape, by the exception handlers at the bottom.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import socket
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+import grpc
+import uvicorn
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+import engine
+from openai_api.chat_template import load_chat_template
+from openai_api.config import FrontConfig, config_from_args
+from openai_api.errors import ApiError, invalid
+from openai_api.generation import Generation
+from openai_api.protocol import GenerationParams, RequestContext, parse_chat, parse_completion
+from openai_api.render import DONE, Shape, error_event
+from proto import inference_pb2_grpc as pgrpc
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 << 20  # as every Tidekv gRPC channel
+HEALTH_SERVICE = "tidekv.v1.Inference"
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # what the Conductor accepts as a request_id
+T = TypeVar("T")
+
+
+class Front:
+    """What the handlers share: the config, the model's tokenizer and chat template, the channel."""
+
+    def __init__(self, config: FrontConfig):
+        self.config = config
+        cfg = engine.load_config(config.model)
+        self.tokenizer = engine.load_tokenizer(config.model)
+        self.template = load_chat_template(config.model, config.chat_template)
+        self.max_model_len = cfg.max_seq_len
+        self.ctx = RequestContext(served_model_name=config.model_name, eos_token_id=self.tokenizer.eos_token_id,
+                                  max_model_len=cfg.max_seq_len, default_max_tokens=config.default_max_tokens,
+                                  default_chat_max_tokens=config.default_chat_max_tokens)
+        self.channel: grpc.aio.Channel | None = None
+        self.inference: pgrpc.InferenceStub | None = None
+        self.health: health_pb2_grpc.HealthStub | None = None
+
+    async def open(self) -> None:
+        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        self.channel = grpc.aio.insecure_channel(self.config.conductor, options=options)
+        self.inference = pgrpc.InferenceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close(grace=None)
+
+
+def credentials(request: Request) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata carrying the caller's credentials to the Conductor.
+
+    API keys are checked in one place, the Conductor, for gRPC and HTTP alike: the front
+    forwards ``Authorization: Bearer ...`` and answers the Conductor's UNAUTHENTICATED with a
+    401. A check in the front itself (raise ``ApiError(401, ...)``) would slot in here."""
+    auth = request.headers.get("authorization", "")
+    if auth and not (auth.isascii() and auth.isprintable()):
+        raise ApiError(401, "the Authorization header must be printable ASCII", "authentication_error",
+                       code="invalid_api_key")
+    return (("authorization", auth),) if auth else ()
+
+
+def _request_id(request: Request) -> str:
+    """The client's ``X-Request-Id`` when it is a usable id (it then names the request in every
+    Tidekv log, as gRPC's ``request_id`` does), else a fresh one."""
+    given = request.headers.get("x-request-id", "")
+    return given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+
+
+async def _json(request: Request) -> object:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise invalid(None, "the request body is not valid JSON") from None
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
+    """Runs ``work`` (after the body was read) while watching for the client to leave;
+    (False, None) when it left first, ``work`` then being cancelled."""
+
+    async def left() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(left())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler itself is cancelled (server shutdown)
+        watch.cancel()
+        finished = task.done()
+        if not finished:
+            task.cancel()
+    if finished:
+        return True, task.result()  # raises the work's ApiError, if any
+    with contextlib.suppress(asyncio.CancelledError, ApiError):
+        await task
+    return False, None
+
+
+class _Stream(StreamingResponse):
+    """An SSE response that cancels its gRPC call however the response ends (client gone included)."""
+
+    def __init__(self, generation: Generation, events: AsyncIterator[bytes], headers: dict[str, str]):
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self.generation = generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.cancel()
+
+
+async def _events(gen: Generation, shape: Shape) -> AsyncIterator[bytes]:
+    if shape.chat:
+        yield shape.chunk(None, (), role=True)
+    try:
+        async for piece in gen.pieces():
+            if piece.text or piece.finish_reason:
+                yield shape.chunk(piece.text, piece.token_ids, piece.finish_reason)
+        if shape.include_usage:
+            yield shape.usage_chunk(gen.usage())
+    except ApiError as e:  # after the 200 went out: the failure is told as an event
+        log.warning("request %s failed mid-stream: %s", gen.request_id, e.message)
+        yield error_event(e.body())
+    yield DONE
+
+
+async def _collect(gen: Generation, shape: Shape) -> dict:
+    await gen.start()
+    texts, reason = [], "length"
+    async for piece in gen.pieces():
+        texts.append(piece.text)
+        reason = piece.finish_reason or reason
+    return shape.response("".join(texts), list(gen.token_ids), reason, gen.usage())
+
+
+async def _generate(request: Request, params: GenerationParams, chat: bool) -> Response:
+    front: Front = request.app.state.front
+    request_id = _request_id(request)
+    shape = Shape(chat, ("chatcmpl-" if chat else "cmpl-") + request_id, front.config.model_name,
+                  params.include_usage)
+    gen = Generation(front.inference, params, request_id, front.tokenizer, front.config.request_timeout_s,
+                     credentials(request))
+    headers = {"X-Request-Id": request_id}
+    log.debug("request %s (user %r): stream=%s max_tokens=%d", request_id, params.user, params.stream,
+              params.max_tokens)
+    if params.stream:
+        started, _ = await _unless_disconnected(request, gen.start())
+        if not started:
+            gen.cancel()
+            return Response(status_code=499)
+        return _Stream(gen, _events(gen, shape), {**headers, "Cache-Control": "no-cache"})
+    done, body = await _unless_disconnected(request, _collect(gen, shape))
+    if not done:
+        gen.cancel()
+        return Response(status_code=499)  # nobody reads it: the client is gone
+    return JSONResponse(body, headers=headers)
+
+
+# ---- routes -----------------------------------------------------------------------------------
+async def completions(request: Request) -> Response:
+    params = parse_completion(await _json(request), request.app.state.front.ctx)
+    return await _generate(request, params, chat=False)
+
+
+async def chat_completions(request: Request) -> Response:
+    front: Front = request.app.state.front
+    params = parse_chat(await _json(request), front.ctx, front.template, front.tokenizer.encode)
+    return await _generate(request, params, chat=True)
+
+
+async def models(request: Request) -> Response:
+    front: Front = request.app.state.front
+    card = {"id": front.config.model_name, "object": "model", "created": 0, "owned_by": "tidekv",
+            "max_model_len": front.max_model_len, "context_length": front.max_model_len}
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    front: Front = request.app.state.front
+    try:
+        resp = await front.health.Check(health_pb2.HealthCheckRequest(service=HEALTH_SERVICE),
+                                        timeout=front.config.health_timeout_s)
+    except grpc.aio.AioRpcError as e:
+        raise ApiError(503, f"Conductor {front.config.conductor} unreachable: {e.code().name}",
+                       "service_unavailable_error", code="conductor_unavailable") from None
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    if resp.status != health_pb2.HealthCheckResponse.SERVING:
+        raise ApiError(503, f"Conductor {front.config.conductor} is {status}", "service_unavailable_error",
+                       code="conductor_not_serving")
+    return JSONResponse({"status": "ready", "conductor": status})
+
+
+# ---- errors: rendered once, in OpenAI's shape -------------------------------------------------
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return await _api_error(request, ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                              kind))
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """The process's outermost boundary: log the traceback, answer 500, keep serving."""
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return await _api_error(request, ApiError(500, f"internal error: {type(exc).__name__}", "server_error"))
+
+
+def build_app(config: FrontConfig) -> Starlette:
+    """The ASGI app; loads the tokenizer and chat template now, opens the channel at startup."""
+    front = Front(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await front.open()
+        try:
+            yield
+        finally:
+            await front.close()
+
+    app = Starlette(
+        routes=[Route("/v1/completions", completions, methods=["POST"]),
+                Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+                Route("/v1/models", models, methods=["GET"]),
+                Route("/health", health, methods=["GET"]),
+                Route("/ready", ready, methods=["GET"])],
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+        lifespan=lifespan,
+    )
+    app.state.front = front
+    return app
+
+
+def serve(argv: list[str] | None = None) -> None:
+    """``tidekv serve --role http``: blocks until SIGTERM/SIGINT, then lets open requests finish."""
+    config = config_from_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build_app(config)
+    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((config.host, config.port))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, loop="uvloop", http="httptools", lifespan="on",
+                                           log_level="warning", access_log=False, timeout_graceful_shutdown=30))
+    print(f"tidekv http front serving on http://{config.host}:{port} (conductor {config.conductor}, "
+          f"model {config.model_name}; insecure: no TLS, no API keys yet)", flush=True)
+    server.run(sockets=[sock])
