@@ -129,22 +129,25 @@ def choose_prefill(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cost
 
 
 def tbt_after_join(worker: WorkerView, request: RouteRequest, costs: CostModels, at_s: float | None,
-                   now_s: float = 0.0) -> float:
+                   now_s: float = 0.0, until_s: float | None = None) -> float:
     """Predicted decode step time on ``worker`` once this request has joined.
 
     ``at_s`` None: the batch as it is now (plain early rejection). Otherwise the batch ``at_s``
     seconds from now: known running requests that will have generated their remaining tokens
-    by then have left, known requests in prefill that will be ready by then have joined;
-    running requests this Conductor does not know (another Conductor's) stay."""
+    by then have left, known requests in prefill that will be ready by ``until_s`` (default
+    ``at_s``) have joined; running requests this Conductor does not know (another
+    Conductor's) stay. With ``until_s`` the end of this request's decode, that is the largest
+    batch it will share while it decodes, as far as this Conductor knows now."""
     n = request.num_prompt_tokens
     running = [j for j in worker.decode_jobs if j.decoding]
     other = max(0, worker.num_running - len(running))
     other_tokens = max(0, worker.num_context_tokens - sum(j.num_tokens for j in running))
     if at_s is None:
         return costs.decode_step_s(worker.num_running + 1, worker.num_context_tokens + n)
+    until_s = at_s if until_s is None else until_s
     step_s = costs.decode_step_s(max(1, worker.num_running), worker.num_context_tokens)
     staying = [j for j in running if j.num_remaining_tokens * step_s > at_s]
-    joining = [j for j in worker.decode_jobs if not j.decoding and j.ready_in_s(now_s) <= at_s]
+    joining = [j for j in worker.decode_jobs if not j.decoding and j.ready_in_s(now_s) <= until_s]
     batch = other + len(staying) + len(joining) + 1
     tokens = other_tokens + sum(j.num_tokens for j in staying + joining) + n
     return costs.decode_step_s(batch, tokens)
@@ -159,9 +162,15 @@ def _retry_hint_s(worker: WorkerView, costs: CostModels, now_s: float) -> float:
 
 def _decode_choice(snapshot: ClusterSnapshot, request: RouteRequest, costs: CostModels, mode: str,
                    ttft_s: float) -> tuple[WorkerView, float]:
-    at_s = None if mode == "early" else ttft_s
-    scored = [(tbt_after_join(w, request, costs, at_s, snapshot.time_s), -w.num_free_pages, w.worker_id, w)
-              for w in fitting_decode(snapshot, request)]
+    """The fitting decode worker with the lowest predicted TBT, and that TBT. Predictive: over
+    this request's decode (from ``now + ttft`` for its max tokens at the step time then)."""
+    def predicted(w: WorkerView) -> float:
+        if mode == "early":
+            return tbt_after_join(w, request, costs, None)
+        first = tbt_after_join(w, request, costs, ttft_s, snapshot.time_s)
+        return tbt_after_join(w, request, costs, ttft_s, snapshot.time_s, ttft_s + request.max_tokens * first)
+
+    scored = [(predicted(w), -w.num_free_pages, w.worker_id, w) for w in fitting_decode(snapshot, request)]
     tbt, _, _, worker = min(scored, key=lambda t: t[:3])
     return worker, tbt
 

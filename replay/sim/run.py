@@ -38,8 +38,11 @@ class SimConfig:
     conductor: ConductorConfig = field(default_factory=ConductorConfig)
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    load_sample_interval_s: float = 1.0  # how often the load series (stats["load"]) is sampled
 
     def __post_init__(self) -> None:
+        if self.load_sample_interval_s <= 0:
+            raise ValueError(f"load_sample_interval_s {self.load_sample_interval_s} must be > 0")
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError(f"need at least one worker of each role, got {self.num_prefill} prefill and "
                              f"{self.num_decode} decode")
@@ -100,6 +103,8 @@ class Simulation:
         self.admission_queue: deque[_Life] = deque()
         self.prefix_hit_blocks = 0
         self.trace_blocks = 0
+        self.load_series: list[tuple[float, int, int, int]] = []  # (t, prefill jobs, decode running, rejected)
+        self.num_rejected = 0
 
     # ---- arrival and admission ----------------------------------------------------------------
     def _arrive(self, life: _Life) -> None:
@@ -190,6 +195,7 @@ class Simulation:
                              tbt_slo_s=r.tbt_slo_s, **fields)
 
     def _reject(self, life: _Life, reason: str, retry_after_s: float) -> None:
+        self.num_rejected += 1
         self.records.append(self._base(life, REJECTED, status="RESOURCE_EXHAUSTED", error=reason,
                                        retry_after_s=retry_after_s, latency_s=self.loop.now - life.req.arrival_s))
 
@@ -207,6 +213,14 @@ class Simulation:
             predicted_ttft_s=d.predicted.ttft_s or None, predicted_tbt_s=d.predicted.tbt_s or None))
 
     # ---- the run --------------------------------------------------------------------------------
+    def _sample_load(self, num_requests: int) -> None:
+        """One point of the load series: prefill jobs held, decode requests running, rejections so far."""
+        prefill = sum(len(w.queue) + (w.running is not None) for w in self.cluster.prefill.values())
+        decode = sum(len(w.running) for w in self.cluster.decode.values())
+        self.load_series.append((self.loop.now, prefill, decode, self.num_rejected))
+        if len(self.records) < num_requests:
+            self.loop.at(self.loop.now + self.config.load_sample_interval_s, self._sample_load, num_requests)
+
     def run(self) -> SimResult:
         wall0 = time.perf_counter()
         requests = self.scaled.requests
@@ -214,6 +228,7 @@ class Simulation:
             life = self.lives[r.request_id] = _Life(r, seq)
             self.loop.at(r.arrival_s, self._arrive, life)
         self.cluster.start_heartbeats()
+        self.loop.at(0.0, self._sample_load, len(requests))
         self.loop.run()
         assert len(self.records) == len(requests), f"{len(self.records)} records for {len(requests)} requests"
         stats = {
@@ -221,6 +236,7 @@ class Simulation:
             "prefix_hit_ratio_blocks": self.prefix_hit_blocks / self.trace_blocks if self.trace_blocks else 0.0,
             "prefill_busy_s": {w.worker_id: w.num_busy_s for w in self.cluster.prefill.values()},
             "config": self.config.describe(),
+            "load": self.load_series,
         }
         records = tuple(sorted(self.records, key=lambda rec: rec.index))
         summary = summarize(records, trace=self.scaled.describe(), run={"simulator": stats})

@@ -52,3 +52,32 @@ def test_live_replay_accounts_for_every_request(cluster_1x1, tmp_path, capsys):
     assert main(["report", "compare", str(out), str(out), "--out", str(tmp_path / "cmp"), "--no-plots"]) == 0
     rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())["rows"]
     assert rows and all(r["ratio"] == 1.0 for r in rows)
+
+
+def test_simulated_and_live_reports_share_one_schema(cluster_1x1, tmp_path):
+    """The same window, replayed live and simulated (calibrated or not, the figures differ; the
+    fidelity benchmark compares them): both reports load, have the same summary keys and
+    request fields, and compare."""
+    from deploy.cli import main as tidekv
+
+    sim_args = [a for a in REPLAY_ARGS if a not in ("--max-concurrency", "4", "--timeout-s", "120")]
+    assert tidekv(["simulate", "--trace", str(WINDOW), *sim_args, "--block-size", "16",
+                   "--snapshot-interval-blocks", "2", "--out", str(tmp_path / "sim")]) == 0
+    assert main(["replay", "--trace", str(WINDOW), "--endpoint", cluster_1x1.endpoint, *REPLAY_ARGS,
+                 "--out", str(tmp_path / "live"), "--no-plots"]) == 0
+    sim, live = load_report(tmp_path / "sim"), load_report(tmp_path / "live")
+    assert sim.summary.source == "simulated" and live.summary.source == "live"
+
+    def keys(d: dict, prefix: str = "") -> set[str]:
+        out = set()
+        for k, v in d.items():
+            out |= keys(v, f"{prefix}{k}.") if isinstance(v, dict) and k not in ("run", "workers", "trace") else {
+                prefix + k}
+        return out
+
+    assert keys(sim.summary.to_dict()) == keys(live.summary.to_dict())
+    assert sim.summary.counts.total == live.summary.counts.total == 16
+    assert {r.index for r in sim.records} == {r.index for r in live.records}
+    for name in PLOT_FILES:
+        assert (tmp_path / "sim" / name).stat().st_size > 0
+    assert main(["report", "compare", str(tmp_path / "live"), str(tmp_path / "sim"), "--no-plots"]) == 0
