@@ -101,12 +101,14 @@ class WorkerView:
     usable_tier: Tier | None = None  # slowest tier in that prefix
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "role", WorkerRole(self.role))
-        counts = {"num_free_pages": self.num_free_pages, "num_running": self.num_running,
-                  "num_queued": self.num_queued, "num_context_tokens": self.num_context_tokens,
-                  "usable_blocks": self.usable_blocks}
-        negative = {name: value for name, value in counts.items() if value < 0}
-        if negative:
+        if not isinstance(self.role, WorkerRole):
+            object.__setattr__(self, "role", WorkerRole(self.role))
+        if min(self.num_free_pages, self.num_running, self.num_queued, self.num_context_tokens,
+               self.usable_blocks) < 0:
+            counts = {"num_free_pages": self.num_free_pages, "num_running": self.num_running,
+                      "num_queued": self.num_queued, "num_context_tokens": self.num_context_tokens,
+                      "usable_blocks": self.usable_blocks}
+            negative = {name: value for name, value in counts.items() if value < 0}
             raise ValueError(f"worker {self.worker_id!r}: negative counts {negative}")
         if self.usable_tier is not None:
             object.__setattr__(self, "usable_tier", Tier(self.usable_tier))

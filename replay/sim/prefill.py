@@ -55,11 +55,17 @@ class SimPrefill:
         self.queue: deque[SimPrefillJob] = deque()
         self.running: SimPrefillJob | None = None
         self.num_busy_s = 0.0
+        self._events: list[BlockEvent] = []
 
     def _publish(self, e: StoreEvent) -> None:
-        event = (BlockEvent.removed(self.worker_id, e.key) if e.kind == "removed"
-                 else BlockEvent.stored(self.worker_id, e.key, e.tier, e.has_snapshot))
-        self.index.apply([event])
+        self._events.append(BlockEvent.removed(self.worker_id, e.key) if e.kind == "removed"
+                            else BlockEvent.stored(self.worker_id, e.key, e.tier, e.has_snapshot))
+
+    def _flush_events(self) -> None:
+        """Publishes the store's changes in one batch, as a Prefill response carries them."""
+        if self._events:
+            self.index.apply(self._events)
+            self._events = []
 
     def _blob(self, has_snapshot: bool) -> SizedBlob:
         size = self.block_size * self.costs.kv_bytes_per_token + (self.costs.snapshot_bytes if has_snapshot else 0)
@@ -126,6 +132,7 @@ class SimPrefill:
         while found and not found[-1].has_snapshot:
             found.pop()
         job.num_reused_tokens = len(found) * self.block_size
+        self._flush_events()
         return pull_s
 
     def _finish(self, job: SimPrefillJob) -> None:
@@ -134,5 +141,6 @@ class SimPrefill:
         for i in range(job.num_reused_tokens // self.block_size, num_full):
             snap = i in points
             self.store.put(job.keys[i], self._blob(snap), snap, Tier.DRAM)
+        self._flush_events()
         self.on_done(job)
         self._start_next()

@@ -1,0 +1,134 @@
+"""The Mooncake scheduler on a live local cluster (2 prefill + 1 decode on 127.0.0.1), with the
+other policies as baselines in the same run. Prints one JSON object; progress goes to stderr.
+
+1. Prediction accuracy: a calibration made here, then a few hundred mixed requests (cold and
+   sharing prefixes, short and long) through ``mooncake``; |predicted TTFT - observed| /
+   observed, median and p90 (goal: median within 10%).
+2. Policies side by side: the same scaled window of the Mooncake synthetic trace replayed
+   live (``replay.live``) against a fresh cluster per policy, at each rate scale given:
+   goodput (requests/s meeting both SLOs), TTFT p50/p90, TBT p90, rejection rate,
+   cached-token ratio. Goal: ``mooncake``'s goodput at least 1.2x ``cache_aware``'s at the
+   rate where ``cache_aware`` starts missing SLOs.
+
+Usage: python -m bench.scheduling [--quick] [--rates 1.0,2.0] [--policies mooncake,cache_aware,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from conductor.client import Client
+from deploy.local import ClusterConfig, LocalCluster
+from replay.live import run_live_replay
+from replay.traces import read_trace
+from replay.transform import TraceTransform, apply_transform
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
+BLOCK = 16
+WORKER_ARGS = ("--block-size", str(BLOCK), "--snapshot-interval-blocks", "4", "--num-pages", "2048")
+DECODE_ARGS = ("--block-size", str(BLOCK), "--num-pages", "4096")
+
+
+def log(msg: str) -> None:
+    print(f"[scheduling] {msg}", file=sys.stderr, flush=True)
+
+
+def calibrate(out: Path, quick: bool) -> None:
+    grid = "smoke" if quick else "quick"
+    log(f"calibrating ({grid} grid) into {out}")
+    subprocess.run([sys.executable, "-m", "deploy.cli", "calibrate", "--model", "tiny", "--grid", grid,
+                    "--block-size", str(BLOCK), "--snapshot-interval-blocks", "4", "--out", str(out)],
+                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+
+
+def cluster(policy: str, calibration: Path, extra: tuple[str, ...] = ()) -> LocalCluster:
+    return LocalCluster(ClusterConfig(num_prefill=2, num_decode=1, policy=policy, calibration=str(calibration),
+                                      prefill_args=WORKER_ARGS, decode_args=DECODE_ARGS,
+                                      conductor_args=("--max-running", "64", "--max-queued", "256", *extra)))
+
+
+def prompt(n: int, salt: int) -> list[int]:
+    return [(i * 131 + salt * 7919) % 250 + 1 for i in range(n)]
+
+
+def prediction_accuracy(calibration: Path, num_requests: int) -> dict:
+    """Mixed requests at a few at a time: cold, sharing a prefix with an earlier one, long and short."""
+    shared = [prompt(512, 1000 + g) for g in range(4)]
+    requests = []
+    for i in range(num_requests):
+        n = (64, 200, 400, 800)[i % 4]
+        ids = shared[i % 4][: n // 2] + prompt(n - n // 2, i) if i % 3 else prompt(n, 5000 + i)
+        requests.append(Client.request(ids, max_tokens=4, ttft_slo_s=600.0, tbt_slo_s=60.0))
+    log(f"prediction accuracy: {num_requests} requests")
+    with cluster("mooncake", calibration) as c:
+        client = Client(c.endpoint)
+        with ThreadPoolExecutor(3) as pool:
+            outs = list(pool.map(client.generate, requests))
+        client.close()
+    errors = sorted(abs(o.predicted_ttft_s - o.ttft_s) / o.ttft_s for o in outs if o.ttft_s > 0 and o.predicted_ttft_s)
+    return {"num_requests": len(errors), "median_rel_error": statistics.median(errors),
+            "p90_rel_error": errors[int(0.9 * (len(errors) - 1))], "goal_median": 0.10}
+
+
+def window(rate: float, num_requests: int, ttft_slo_s: float, tbt_slo_s: float):
+    t = TraceTransform(block_size=BLOCK, blocks_per_trace_block=1, output_scale=0.1, max_output_tokens=32,
+                       rate_scale=rate, index_start=1000, index_end=1000 + num_requests, ttft_slo_s=ttft_slo_s,
+                       tbt_slo_s=tbt_slo_s)
+    return apply_transform(read_trace(TRACE), t)
+
+
+def compare_policies(policies: list[str], rates: list[float], calibration: Path, num_requests: int,
+                     ttft_slo_s: float, tbt_slo_s: float, out_dir: Path) -> dict:
+    results: dict = {}
+    for rate in rates:
+        scaled = window(rate, num_requests, ttft_slo_s, tbt_slo_s)
+        for policy in policies:
+            log(f"policy {policy} at rate x{rate}: {len(scaled.requests)} requests")
+            with cluster(policy, calibration) as c:
+                time.sleep(1.0)  # first heartbeats
+                live = run_live_replay(scaled, c.endpoint, max_concurrency=64, out_dir=out_dir / f"{policy}-{rate}",
+                                       plots=False, progress=False)
+            s = live.summary
+            results.setdefault(str(rate), {})[policy] = {
+                "goodput_rps": s.slo.goodput_rps, "attainment": s.slo.attainment, "ttft_p50_s": s.ttft_s.p50,
+                "ttft_p90_s": s.ttft_s.p90, "tbt_p90_s": s.tbt_s.p90,
+                "rejection_rate": s.counts.rejected / s.counts.total, "failed": s.counts.failed,
+                "cached_ratio": s.cache.ratio}
+    for by in results.values():
+        if "mooncake" in by and "cache_aware" in by and by["cache_aware"]["goodput_rps"] > 0:
+            by["mooncake_over_cache_aware_goodput"] = by["mooncake"]["goodput_rps"] / by["cache_aware"]["goodput_rps"]
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--rates", default="1.0,2.0")
+    p.add_argument("--policies", default="mooncake,cache_aware,kv_cost,round_robin")
+    p.add_argument("--ttft-slo-s", type=float, default=2.0)
+    p.add_argument("--tbt-slo-s", type=float, default=0.1)
+    args = p.parse_args()
+    n_pred, n_window = (40, 40) if args.quick else (240, 120)
+    with tempfile.TemporaryDirectory(prefix="tidekv-bench-sched-") as tmp:
+        calibration = Path(tmp) / "calibration.json"
+        calibrate(calibration, args.quick)
+        out = {"prediction": prediction_accuracy(calibration, n_pred),
+               "policies": compare_policies(args.policies.split(","), [float(r) for r in args.rates.split(",")],
+                                            calibration, n_window, args.ttft_slo_s, args.tbt_slo_s, Path(tmp)),
+               "workload": {"window": f"requests 1000..{1000 + n_window} of {TRACE.name}", "block_size": BLOCK,
+                            "ttft_slo_s": args.ttft_slo_s, "tbt_slo_s": args.tbt_slo_s,
+                            "cluster": "2 prefill + 1 decode"}}
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
