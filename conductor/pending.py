@@ -18,7 +18,7 @@ import math
 import threading
 from collections import defaultdict, deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from conductor.routing import DecodeJob, RouteDecision, RouteRequest, decode_need_pages
 
@@ -51,6 +51,13 @@ class PendingRequest:
     def decode_job(self) -> DecodeJob:
         return DecodeJob(self.request_id, self.num_prompt_tokens + self.num_generated,
                          max(0, self.max_tokens - self.num_generated), self.decoding, self.ready_at_s)
+
+
+def _with(record: PendingRequest, **changes: float | int) -> PendingRequest:
+    """``dataclasses.replace`` without its per-call introspection (this runs per decode chunk)."""
+    new = object.__new__(PendingRequest)
+    new.__dict__.update(record.__dict__, **changes)
+    return new
 
 
 @dataclass(frozen=True)
@@ -118,19 +125,19 @@ class PendingWork:
             if record is not None and record.in_prefill:
                 self._drop("in_prefill", record.prefill_worker, request_id)
                 self._mark_left(record.prefill_worker, request_id, +1)
-                self._set(replace(record, prefill_done_at_s=now_s, ready_at_s=now_s))
+                self._set(_with(record, prefill_done_at_s=now_s, ready_at_s=now_s))
 
     def decode_started(self, request_id: str, now_s: float) -> None:
         with self._lock:
             record = self._live.get(request_id)
             if record is not None:
-                self._set(replace(record, decode_started_at_s=now_s))
+                self._set(_with(record, decode_started_at_s=now_s))
 
     def generated(self, request_id: str, num_tokens: int) -> None:
         with self._lock:
             record = self._live.get(request_id)
             if record is not None:
-                self._set(replace(record, num_generated=num_tokens))
+                self._set(_with(record, num_generated=num_tokens))
 
     def finish(self, request_id: str, now_s: float) -> None:
         """The request ended (any way) or is routed again: its work leaves both workers."""
@@ -141,7 +148,7 @@ class PendingWork:
                     self._drop("in_prefill", record.prefill_worker, request_id)
                     self._mark_left(record.prefill_worker, request_id, +1)
                 self._drop("on_decode", record.decode_worker, request_id)
-                ended = replace(record, finished_at_s=now_s)
+                ended = _with(record, finished_at_s=now_s)
                 self._ended.append(ended)
                 self._put("ended_on_decode", ended.decode_worker, ended)
             while self._ended and now_s - self._ended[0].finished_at_s > self.finished_ttl_s:

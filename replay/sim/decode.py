@@ -118,7 +118,8 @@ class SimDecode:
         for r in self.running:
             r.token_times_s.extend(times)
             r.num_generated += steps
-            self.on_progress(r)
+            if r.remaining > 0:
+                self.on_progress(r)
         finished = [r for r in self.running if r.remaining <= 0]
         self.running = [r for r in self.running if r.remaining > 0]
         self._segment, self._rebatch_at = None, None
