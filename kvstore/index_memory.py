@@ -10,11 +10,13 @@ handler threads may call any method concurrently.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 import threading
 import time
 from collections.abc import Sequence
 
-from kvstore.blocks import BlockKey, Tier
+from kvstore.blocks import KEY_BYTES, BlockKey, Tier
 from kvstore.index import (
     BlockEvent,
     BlockEventKind,
@@ -26,6 +28,8 @@ from kvstore.index import (
     check_key,
 )
 from kvstore.registry import Clock, WorkerRegistry
+
+_TIER = operator.attrgetter("tier")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,7 +47,7 @@ class MemoryIndex(GlobalIndex):
         self._lock = threading.Lock()
         self._registry = WorkerRegistry(ttl_s, clock)
         self._holders: dict[BlockKey, dict[str, BlockHold]] = {}
-        self._worker_blocks: dict[str, set[BlockKey]] = {}
+        self._worker_blocks: dict[str, dict[BlockKey, BlockHold]] = {}  # the same holdings, by worker
 
     @property
     def ttl_s(self) -> float:
@@ -65,10 +69,11 @@ class MemoryIndex(GlobalIndex):
             return num_applied
 
     def match(self, keys: Sequence[BlockKey]) -> MatchSnapshot:
-        for key in keys:
-            check_key(key)
+        if any(type(k) is not bytes or len(k) != KEY_BYTES for k in keys):
+            for key in keys:
+                check_key(key)  # raises, naming the bad key
         with self._lock:
-            matches = tuple(self._match_worker_locked(w, keys) for w in self._registry.alive_ids())
+            matches = tuple(self._worker_match_locked(w, keys) for w in self._registry.alive_ids())
             return MatchSnapshot(len(keys), matches)
 
     def register(self, worker: WorkerInfo) -> bool:
@@ -129,17 +134,14 @@ class MemoryIndex(GlobalIndex):
                 assert worker_id in known, f"blocks held by unregistered worker {worker_id}"
             assert num_pairs == sum(len(k) for k in self._worker_blocks.values()), "block maps differ"
 
-    def _match_worker_locked(self, worker_id: str, keys: Sequence[BlockKey]) -> WorkerMatch:
-        tiers: list[Tier] = []
-        num_usable = 0
-        for key in keys:
-            hold = self._hold_locked(worker_id, key)
-            if hold is None:
-                break
-            tiers.append(hold.tier)
-            if hold.has_snapshot:
-                num_usable = len(tiers)
-        return WorkerMatch(worker_id, len(tiers), num_usable, tuple(tiers))
+    def _worker_match_locked(self, worker_id: str, keys: Sequence[BlockKey]) -> WorkerMatch:
+        """The contiguous held prefix of ``keys`` on one worker. The scans run in C
+        (``takewhile``/``map`` over the worker's own key -> hold map): a 1,000-key match of 8
+        workers is a fraction of a millisecond."""
+        held = self._worker_blocks.get(worker_id, {})
+        holds = list(map(held.__getitem__, itertools.takewhile(held.__contains__, keys)))
+        usable = next((i + 1 for i in range(len(holds) - 1, -1, -1) if holds[i].has_snapshot), 0)
+        return WorkerMatch(worker_id, len(holds), usable, tuple(map(_TIER, holds)))
 
     def _hold_locked(self, worker_id: str, key: BlockKey) -> BlockHold | None:
         holders = self._holders.get(key)
@@ -147,7 +149,7 @@ class MemoryIndex(GlobalIndex):
 
     def _store_locked(self, worker_id: str, key: BlockKey, hold: BlockHold) -> None:
         self._holders.setdefault(key, {})[worker_id] = hold
-        self._worker_blocks.setdefault(worker_id, set()).add(key)
+        self._worker_blocks.setdefault(worker_id, {})[key] = hold
 
     def _drop_locked(self, worker_id: str, key: BlockKey) -> None:
         holders = self._holders.get(key)
@@ -156,12 +158,12 @@ class MemoryIndex(GlobalIndex):
         if not holders:
             del self._holders[key]
         keys = self._worker_blocks[worker_id]
-        keys.discard(key)
+        keys.pop(key, None)
         if not keys:
             del self._worker_blocks[worker_id]
 
     def _purge_blocks_locked(self, worker_id: str) -> None:
-        for key in self._worker_blocks.pop(worker_id, set()):
+        for key in self._worker_blocks.pop(worker_id, {}):
             holders = self._holders[key]
             del holders[worker_id]
             if not holders:
