@@ -21,6 +21,7 @@ from conductor.heat import PrefixHeat
 from conductor.pending import PendingWork
 from conductor.routing import ClusterSnapshot, Policy, Rejection, RejectKind, RouteDecision, RouteRequest
 from conductor.snapshot import RegistryEntry, build_snapshot
+from conductor.speed import WorkerSpeed
 from kvstore.blocks import BlockKey, chain_keys
 from kvstore.index import MatchSnapshot
 
@@ -75,6 +76,7 @@ class ConductorCore:
         self.cluster, self.policy, self.slos, self.clock = cluster, policy, slos, clock
         self.pending = pending or PendingWork()
         self.heat = heat or PrefixHeat()
+        self.speed = WorkerSpeed()
         # One decision at a time: a request must see the overlay of the one routed just before it.
         self._lock = threading.Lock()
 
@@ -96,7 +98,7 @@ class ConductorCore:
             now_s = self.clock.now()
             rate = self.heat.touch(keys[0], now_s) if keys else 0.0
             registry = self.cluster.registry_view(self.clock.wall())
-            snapshot = build_snapshot(registry, matches, self.pending.view(), now_s, rate)
+            snapshot = build_snapshot(registry, matches, self.pending.view(), now_s, rate, self.speed.factors())
             if avoid:
                 snapshot = ClusterSnapshot(
                     tuple(w for w in snapshot.prefill if w.worker_id not in avoid) or snapshot.prefill,

@@ -4,15 +4,16 @@ with prediction-based early rejection and hot-prefix replication.
 For every prefill worker ``w`` and each way it could get the prefix, predict the time to
 first token and take the minimum::
 
-    queue_s(w)    = sum over w's queued and running prefills of prefill_s(job) - elapsed
-    local option  : ttft = queue_s(w) + prefill_s(new = n - local, reused = local)
+    queue_s(w)    = sum over w's queued and running prefills of prefill_s(job) * slow(w) - elapsed
+    local option  : ttft = queue_s(w) + prefill_s(new = n - local, reused = local) * slow(w)
     pull option   : ttft = queue_s(w) + pull_s(best prefix from its holder)
-                                      + prefill_s(new = n - best, reused = best)
+                                      + prefill_s(new = n - best, reused = best) * slow(w)
                     considered only when best > balancing_threshold * local and the prefix
                     has fewer than max_replicas holders (the puller keeps a replica)
 
 (``n`` prompt tokens, ``local``/``best`` reusable tokens on ``w`` / anywhere, after the reuse
-cap.) Hot prefixes: when this request's leading block is asked for more often than
+cap; ``slow(w)``: how much slower than calibrated ``w`` has lately been, ``conductor.speed``.)
+Hot prefixes: when this request's leading block is asked for more often than
 ``hot_prefix_rate_per_s`` and the chosen worker is a holder with work queued, the best pull
 option to a worker with a shorter queue replaces it (branch ``replicate``) if it still meets
 the TTFT SLO, so later requests for that prefix spread over two holders.
@@ -76,8 +77,9 @@ class PrefillOption:
 
 
 def queue_s(worker: WorkerView, costs: CostModels) -> float:
-    """Predicted seconds until ``worker`` can start a new prefill (its jobs run one at a time)."""
-    return sum(max(0.0, costs.prefill_s(j.num_new_tokens, j.num_reused_tokens) - j.elapsed_s)
+    """Predicted seconds until ``worker`` can start a new prefill (its jobs run one at a time),
+    at the worker's observed speed (``WorkerView.slowdown``)."""
+    return sum(max(0.0, costs.prefill_s(j.num_new_tokens, j.num_reused_tokens) * worker.slowdown - j.elapsed_s)
                for j in worker.prefill_jobs)
 
 
@@ -100,13 +102,13 @@ def prefill_options(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cos
         wait = queue_s(w, costs)
         branch = RouteBranch.LOCAL if local else RouteBranch.COLD
         options.append(PrefillOption(w, ReusePlan(local, None), branch, wait, 0.0,
-                                     costs.prefill_s(n - local * bs, local * bs)))
+                                     costs.prefill_s(n - local * bs, local * bs) * w.slowdown))
         if (best is not None and best.worker_id != w.worker_id and may_replicate
                 and best_blocks > config.balancing_threshold * local):
             pull = costs.pull_s(best_blocks * bs, 1, backend=w.transfer_backend,
                                 tier=best.usable_tier if best.usable_tier is not None else Tier.DRAM)
             options.append(PrefillOption(w, ReusePlan(best_blocks, best.worker_id), RouteBranch.PULL, wait, pull,
-                                         costs.prefill_s(n - best_blocks * bs, best_blocks * bs)))
+                                         costs.prefill_s(n - best_blocks * bs, best_blocks * bs) * w.slowdown))
     return options
 
 

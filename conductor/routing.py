@@ -99,6 +99,7 @@ class WorkerView:
     decode_jobs: tuple[DecodeJob, ...] = ()  # decode: the requests this Conductor knows there
     usable_blocks: int = 0  # prefill only: deepest reusable prefix (blocks) held for THIS request
     usable_tier: Tier | None = None  # slowest tier in that prefix
+    slowdown: float = 1.0  # prefill only: observed / predicted prefill time lately (conductor.speed)
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, WorkerRole):

@@ -16,7 +16,7 @@ theirs back. Exactly one source counts each request, so nothing is double counte
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from conductor.pending import PendingView
@@ -76,8 +76,11 @@ def _decode_view(entry: RegistryEntry, pending: PendingView) -> WorkerView:
 
 
 def build_snapshot(registry: Sequence[RegistryEntry], matches: MatchSnapshot | None, pending: PendingView,
-                   now_s: float, prefix_rate_per_s: float = 0.0) -> ClusterSnapshot:
-    """The snapshot for one request (``matches``: the index's answer for its keys, or None)."""
+                   now_s: float, prefix_rate_per_s: float = 0.0,
+                   slowdown: Mapping[str, float] | None = None) -> ClusterSnapshot:
+    """The snapshot for one request (``matches``: the index's answer for its keys, or None;
+    ``slowdown``: each prefill worker's observed/predicted prefill time, default 1)."""
+    slowdown = slowdown or {}
     prefill, decode = [], []
     for entry in registry:
         if entry.role is WorkerRole.DECODE:
@@ -89,6 +92,6 @@ def build_snapshot(registry: Sequence[RegistryEntry], matches: MatchSnapshot | N
             entry.worker_id, WorkerRole.PREFILL, entry.rpc_address, entry.transfer_address,
             num_free_pages=entry.load.num_free_pages, num_running=entry.load.num_running,
             prefill_jobs=_prefill_jobs(entry, pending), usable_blocks=usable,
-            usable_tier=m.slowest_usable_tier if usable else None,
+            usable_tier=m.slowest_usable_tier if usable else None, slowdown=slowdown.get(entry.worker_id, 1.0),
         ))
     return ClusterSnapshot(tuple(prefill), tuple(decode), now_s, prefix_rate_per_s)

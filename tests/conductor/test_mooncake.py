@@ -182,3 +182,22 @@ def test_a_hot_prefix_on_a_busy_holder_is_replicated() -> None:
     assert policy()(snap([holder, prefill("idle")], rate=5.0), request(ttft_slo_s=0.27)).branch is RouteBranch.LOCAL
     idle_holder = prefill("holder", 80)
     assert policy()(snap([idle_holder, prefill("idle")], rate=5.0), request()).branch is RouteBranch.LOCAL
+
+
+def test_a_worker_that_runs_slower_than_calibrated_predicts_longer() -> None:
+    from conductor.speed import WorkerSpeed
+
+    jobs = queued(1, 500)
+    slow = WorkerView("slow", "prefill", "rpc", "tcp://slow", prefill_jobs=jobs, slowdown=2.0)
+    fast = WorkerView("fast", "prefill", "rpc", "tcp://fast", prefill_jobs=jobs)
+    assert queue_s(slow, COSTS) == pytest.approx(2 * queue_s(fast, COSTS)) == pytest.approx(1.0)
+    decision = policy()(snap([slow, fast]), request())
+    assert decision.prefill_worker == "fast" and decision.predicted.ttft_s == pytest.approx(0.5 + 1.001)
+
+    speed = WorkerSpeed(weight=0.5)
+    speed.observe("w", predicted_s=1.0, observed_s=3.0)  # 1 * (1 + 0.5 * 2) = 2
+    assert speed.factors() == {"w": pytest.approx(2.0)}
+    speed.observe("w", predicted_s=2.0, observed_s=2.0)  # the scaled prediction was exact: unchanged
+    assert speed.factors() == {"w": pytest.approx(2.0)}
+    speed.observe("w", predicted_s=2.0, observed_s=100.0)
+    assert speed.factors()["w"] == 8.0  # clamped
