@@ -84,8 +84,8 @@ def prediction_accuracy(calibration: Path, num_requests: int) -> dict:
 
 def window(rate: float, num_requests: int, ttft_slo_s: float, tbt_slo_s: float):
     t = TraceTransform(block_size=BLOCK, blocks_per_trace_block=1, output_scale=0.1, max_output_tokens=32,
-                       rate_scale=rate, index_start=WINDOW_START, index_end=WINDOW_START + num_requests, ttft_slo_s=ttft_slo_s,
-                       tbt_slo_s=tbt_slo_s)
+                       rate_scale=rate, index_start=WINDOW_START, index_end=WINDOW_START + num_requests,
+                       ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s)
     return apply_transform(read_trace(TRACE), t)
 
 
@@ -127,8 +127,8 @@ def main() -> None:
         out = {"prediction": prediction_accuracy(calibration, n_pred),
                "policies": compare_policies(args.policies.split(","), [float(r) for r in args.rates.split(",")],
                                             calibration, n_window, args.ttft_slo_s, args.tbt_slo_s, Path(tmp)),
-               "workload": {"window": f"requests {WINDOW_START}..{WINDOW_START + n_window} of {TRACE.name}", "block_size": BLOCK,
-                            "ttft_slo_s": args.ttft_slo_s, "tbt_slo_s": args.tbt_slo_s,
+               "workload": {"window": f"requests {WINDOW_START}..{WINDOW_START + n_window} of {TRACE.name}",
+                            "block_size": BLOCK, "ttft_slo_s": args.ttft_slo_s, "tbt_slo_s": args.tbt_slo_s,
                             "cluster": "2 prefill + 1 decode"}}
     print(json.dumps(out, indent=2))
 
