@@ -13,6 +13,7 @@ from conductor.admission import AdmissionConfig
 from conductor.validation import Limits
 
 ADMISSION_MODES = ("predictive", "early", "none")
+MAX_METRICS_TENANTS = 50  # each allowed tenant multiplies the per-tenant series
 
 
 def _policy_names() -> list[str]:
@@ -93,6 +94,12 @@ class ConductorConfig:
     model: str = field(default="tiny", metadata={"help": "model whose config and tokenizer the Conductor uses"})
     host: str = field(default="127.0.0.1", metadata={"help": "address the gRPC server binds"})
     port: int = field(default=50051, metadata={"help": "public and registry gRPC port"})
+    # 0 by default: a local cluster runs every process on one host (a fixed port would collide)
+    # and prints each address; the Kubernetes manifests set 9400 for their scrape config.
+    metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port on --host "
+                                                           "(0: a free one, -1: no metrics endpoint)"})
+    metrics_tenants: tuple[str, ...] = field(default=(), metadata={
+        "help": "tenants that get their own metrics label value (others are counted as 'other')"})
     policy: str = field(default="mooncake", metadata={"help": "routing policy", "choices": _policy_names})
     index: str = field(default="memory", metadata={"help": "memory (embedded) or redis://127.0.0.1:6379"})
     calibration: str = field(default="", metadata={"help": "cost-model file from `tidekv calibrate` "
@@ -133,6 +140,11 @@ class ConductorConfig:
             raise ValueError(f"max_prefill_attempts {self.max_prefill_attempts} < 1")
         if self.max_queue_wait_s < 0:
             raise ValueError(f"max_queue_wait_s {self.max_queue_wait_s} < 0")
+        if not -1 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port {self.metrics_port} not in -1..65535 (-1: off, 0: a free port)")
+        if len(self.metrics_tenants) > MAX_METRICS_TENANTS:
+            raise ValueError(f"metrics_tenants lists {len(self.metrics_tenants)} tenants; at most "
+                             f"{MAX_METRICS_TENANTS} keep the tenant label bounded")
         self.slos  # noqa: B018 - parse the SLOs now: a bad entry fails at start, naming it
         self.routing  # noqa: B018
         self.admission  # noqa: B018

@@ -10,6 +10,11 @@ unless the request is refused before any work (``Refused``: the caller aborts wi
 status). Cancellation (client gone) cancels the in-flight worker calls and releases the
 reservation. Every path leaves the pending overlay (``finally``). Time comes from the core's
 injected clock.
+
+Metrics (``records.metrics``, ``conductor.metrics``): each routing decision, the first token
+(TTFT, queue time, prompt and cached tokens), every later token (inter-token latency) and
+exactly one outcome per request that is not ``Refused`` (the caller reports those): the
+terminal message's, or ``cancelled``/``client_gone`` when the client left before it.
 """
 
 from __future__ import annotations
@@ -17,12 +22,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from conductor.core import ConductorCore, RequestFacts
 from conductor.dispatch import Dispatcher, DispatchError, FailureKind, PrefillCall, PrefillResult, should_retry
+from conductor.metrics import ConductorMetrics
 from conductor.records import RequestRecords
 from conductor.routing import Rejection, RejectKind, RouteDecision
 from conductor.validation import ValidRequest
@@ -31,6 +37,7 @@ from proto import inference_pb2 as pb
 from proto.convert import FINISH_CODES
 
 log = logging.getLogger(__name__)
+ITL_BATCH_TOKENS = 16  # token intervals handed to the metrics at once (and at the end of a request)
 
 
 class Refused(Exception):
@@ -47,6 +54,8 @@ class _Timeline:
     routed: float = 0.0
     prefill_start: float = 0.0
     first_token: float = 0.0
+    last_token: float = 0.0
+    intervals: list[float] = field(default_factory=list)  # seconds between tokens sent, for the TBT SLO
 
 
 class RequestLife:
@@ -59,7 +68,12 @@ class RequestLife:
                                   req.ttft_slo_s, req.tbt_slo_s)
         self.max_attempts = max_attempts
         self.records = records
+        self.metrics: ConductorMetrics = records.metrics if records is not None else ConductorMetrics.disabled()
         self.t = _Timeline(self.clock.now())
+        self._ended = False  # an outcome was reported to the metrics (or the caller reports it)
+        self._cached_tier = "unknown"
+        self._num_sent = 0
+        self._unreported = 0  # token intervals at the end of t.intervals not yet given to the metrics
         self._cancel_hooks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self.cancelled = False
@@ -86,8 +100,13 @@ class RequestLife:
     def run(self) -> Iterator[pb.GenerateResponse]:
         try:
             yield from self._run()
+        except Refused:
+            self._ended = True  # refused before any work: the caller reports it (RequestRecords.count)
+            raise
         finally:
             self.core.pending.finish(self.request_id, self.clock.now())
+            if not self._ended:  # the client went away before the terminal message was made
+                self._report("cancelled", "client_gone", self._num_sent)
 
     def _run(self) -> Iterator[pb.GenerateResponse]:
         avoid: set[str] = set()
@@ -106,13 +125,18 @@ class RequestLife:
                     avoid.update((decision.prefill_worker, decision.decode_worker))
                     continue
                 reason = pb.FINISH_REASON_CANCELLED if self.cancelled else pb.FINISH_REASON_FAILED
-                yield self._terminal(reason, [], 0, decision, error=str(e))
+                yield self._terminal(reason, [], 0, decision, error=str(e), failure=e.kind.value)
                 return
         self.t.first_token = self.clock.now()
         self.core.pending.prefill_done(self.request_id, self.t.first_token)
         self.core.cluster.apply_events(result.events)
+        self.core.speed.observe(decision.prefill_worker, decision.predicted.prefill_s, result.prefill_s)
         if self.records is not None:
             self.records.prediction(decision.predicted.ttft_s, self.t.first_token - self.t.routed)
+        self.t.last_token, self._num_sent = self.t.first_token, 1
+        self.metrics.first_token(self.req.tenant, self.t.first_token - self.t.arrival,
+                                 self.t.prefill_start - self.t.arrival, len(self.req.prompt_ids), result.cached_tokens,
+                                 self._cached_tier)
         tokens = [result.first_token]
         yield self._first(decision, result)
         params = self.req.params
@@ -126,6 +150,12 @@ class RequestLife:
     def _route(self, avoid: set[str]) -> tuple[RouteDecision, tuple[bytes, ...]]:
         routed = self.core.route(self.facts, frozenset(avoid))
         self.t.routed = self.clock.now()
+        outcome = routed.outcome
+        self.metrics.routed(outcome.branch.value if isinstance(outcome, RouteDecision) else "rejected")
+        if isinstance(outcome, RouteDecision) and routed.snapshot is not None:
+            source = routed.snapshot.find(outcome.reuse.holder or outcome.prefill_worker)
+            tier = source.usable_tier if source is not None else None
+            self._cached_tier = tier.name.lower() if tier is not None else "unknown"
         if isinstance(routed.outcome, Rejection):
             rej = routed.outcome
             # No workers of a role is a service that is not up yet, not an overload.
@@ -178,6 +208,7 @@ class RequestLife:
         try:
             for chunk in chunks:
                 if chunk.token_ids:
+                    self._sent(len(chunk.token_ids))
                     tokens.extend(chunk.token_ids)
                     self.core.pending.generated(self.request_id, len(tokens))
                     text = self.tokenizer.decode(tokens)
@@ -185,15 +216,47 @@ class RequestLife:
                                               text=text[len(sent_text):])
                     sent_text = text
                 if chunk.finish_reason:
-                    yield self._terminal(FINISH_CODES[chunk.finish_reason], tokens, cached, decision)
+                    yield self._terminal(FINISH_CODES[chunk.finish_reason], tokens, cached, decision,
+                                         failure="decode_worker")
                     return
-            yield self._terminal(pb.FINISH_REASON_FAILED, tokens, cached, decision, error="decode stream ended early")
+            yield self._terminal(pb.FINISH_REASON_FAILED, tokens, cached, decision, error="decode stream ended early",
+                                 failure="decode_stream")
         except DispatchError as e:
             reason = pb.FINISH_REASON_CANCELLED if self.cancelled else pb.FINISH_REASON_FAILED
-            yield self._terminal(reason, tokens, cached, decision, error=str(e))
+            yield self._terminal(reason, tokens, cached, decision, error=str(e), failure=e.kind.value)
+
+    def _sent(self, num_tokens: int) -> None:
+        now = self.clock.now()
+        interval_s, self.t.last_token = now - self.t.last_token, now
+        self.t.intervals.extend([interval_s / num_tokens] * num_tokens)
+        self._num_sent += num_tokens
+        self._unreported += num_tokens
+        if self._unreported >= ITL_BATCH_TOKENS:
+            self._report_tokens()
+
+    def _report_tokens(self) -> None:
+        if self._unreported:
+            self.metrics.tokens(self.req.tenant, self.t.intervals[-self._unreported:])
+            self._unreported = 0
+
+    def _report(self, outcome: str, failure: str, num_generated: int) -> None:
+        """The request's one outcome for the metrics; ``within_slo`` as Mooncake's goodput counts
+        it: TTFT within its SLO and TBT (mean of the slowest 10% of token intervals) within its."""
+        self._ended = True
+        self._report_tokens()
+        slo = self.core.slos.resolve(self.req.tenant, self.req.ttft_slo_s, self.req.tbt_slo_s)
+        slowest = sorted(self.t.intervals, reverse=True)[: max(1, len(self.t.intervals) // 10)]
+        tbt_s = sum(slowest) / len(slowest) if slowest else 0.0
+        ttft_s = self.t.first_token - self.t.arrival if self.t.first_token else float("inf")
+        self.metrics.ended(self.req.tenant, outcome, failure, len(self.req.prompt_ids), num_generated,
+                           self.clock.now() - self.t.arrival, ttft_s <= slo.ttft_s and tbt_s <= slo.tbt_s)
 
     def _terminal(self, reason: int, tokens: list[int], cached: int, decision: RouteDecision,
-                  error: str = "") -> pb.GenerateResponse:
+                  error: str = "", failure: str = "") -> pb.GenerateResponse:
+        """The terminal message; ``failure`` (a failure kind) labels a FAILED outcome's reason."""
+        outcome = pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+        self._report(outcome, failure if outcome == "failed" else ("client" if outcome == "cancelled" else ""),
+                     len(tokens))
         now = self.clock.now()
         decode_s = now - self.t.first_token if self.t.first_token else 0.0
         timing = pb.Timing(

@@ -1,4 +1,5 @@
-"""The Conductor process: public ``Inference`` service, internal ``Registry`` service.
+"""The Conductor: public ``Inference`` service, internal ``Registry`` service, as an embeddable
+service (``build(config)``, see ``runtime.service``) and as a process (``serve``).
 
 Generate = validate (INVALID_ARGUMENT naming the field) -> admission (RESOURCE_EXHAUSTED at
 once when the queue is full; a queued request waits for a running slot until its deadline or
@@ -11,6 +12,7 @@ than the workers serve, is an error naming it, never a silent default.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -26,6 +28,7 @@ from conductor.config import ConductorConfig
 from conductor.core import ConductorCore
 from conductor.grpc_dispatch import GrpcDispatcher
 from conductor.lifecycle import Refused, RequestLife
+from conductor.metrics import ConductorMetrics
 from conductor.records import RequestRecords
 from conductor.routing import PolicyContext, make_policy
 from conductor.validation import validate
@@ -37,10 +40,13 @@ from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc as pgrpc
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
-from runtime.grpc_server import serve_until_signal, start_server
+from runtime.grpc_server import RunningServer, follow_readiness, start_server
+from runtime.metrics import MetricsServer, start_metrics
+from runtime.service import serve_until_signal
 from runtime.settings import parse_config
 
 log = logging.getLogger(__name__)
+
 
 def load_costs(config: ConductorConfig) -> CostModels:
     """The calibration named by the config, or the built-in estimate (with a warning).
@@ -90,7 +96,7 @@ class InferenceService(pgrpc.InferenceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         refusal = self.admission.try_enter(timeout_s=min(valid.deadline_s, self.config.max_queue_wait_s))
         if refusal is not None:
-            self.records.count("rejected")
+            self.records.count("rejected", reason="queue_full", tenant=valid.tenant)
             context.set_trailing_metadata((("retry-after-s", "1"),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
         life = RequestLife(self.core, self.dispatcher, self.tokenizer, valid, request.request_id or uuid.uuid4().hex,
@@ -102,7 +108,7 @@ class InferenceService(pgrpc.InferenceServicer):
                     self.records.count(pb.FinishReason.Name(msg.finish_reason))
                 yield msg
         except Refused as e:
-            self.records.count("rejected")
+            self.records.count("rejected", reason=e.reason, tenant=valid.tenant)
             log.info("request %s rejected (%s): %s", life.request_id, e.reason, e)
             context.set_trailing_metadata((("retry-after-s", f"{e.retry_after_s:g}"), ("reject-reason", e.reason)))
             context.abort(e.code, str(e))
@@ -153,32 +159,105 @@ def build_core(config: ConductorConfig, cluster: Cluster, costs: CostModels, clo
     return ConductorCore(cluster, policy, config.slos, clock)
 
 
-def serve(argv: list[str] | None = None) -> None:
-    config = parse_config(ConductorConfig, argv, prog="tidekv serve --role conductor")
-    try:
+class Conductor:
+    """The Conductor as an embeddable ``runtime.service.Service``: built from its config, it
+    installs no signal handler and reads no environment. ``start`` loads the cost models
+    (``CalibrationError`` naming a bad file), opens the index and serves ``Inference`` and
+    ``Registry`` on ``config.host:config.port``; a reaper thread drops silent workers."""
+
+    role = "conductor"
+
+    def __init__(self, config: ConductorConfig, clock: Clock | None = None):
+        self.config = config
+        self._clock = clock or SystemClock()
+        self._closing = contextlib.ExitStack()  # what start() made, closed in reverse by stop()
+        self.metrics = MetricsServer("")  # /metrics once started (address "" when off)
+        self._running: RunningServer | None = None
+        self._draining = False
+        self.cluster: Cluster | None = None
+
+    @property
+    def address(self) -> str:
+        return "" if self._running is None else self._running.address
+
+    def start(self) -> None:
+        if self._running is not None:
+            raise RuntimeError("conductor already started")
+        try:
+            self._start()
+        except BaseException:
+            self.stop()  # a failed start leaves nothing behind
+            raise
+
+    def _start(self) -> None:
+        config = self.config
         costs = load_costs(config)
+        index = make_index(config.index, config.worker_ttl_s)
+        self._closing.callback(index.close)
+        self.cluster = cluster = Cluster(index, check=calibration_check(config, costs))
+        core = build_core(config, cluster, costs, self._clock)
+        metrics = ConductorMetrics.for_config(config)
+        admission = Admission(config.admission)
+        inference = InferenceService(config, core, GrpcDispatcher(cluster), admission, RequestRecords(metrics=metrics))
+        metrics.watch(cluster, admission)
+        registry = RegistryService(cluster, config.heartbeat_interval_s)
+        self._running = start_server(
+            [lambda s: pgrpc.add_InferenceServicer_to_server(inference, s),
+             lambda s: igrpc.add_RegistryServicer_to_server(registry, s)],
+            ["tidekv.v1.Inference", "tidekv.v1.Registry"], config.host, config.port,
+            max_workers=config.max_running + config.max_queued + 32,
+        )
+        self._closing.callback(self._running.stop, 0)
+        self.metrics = start_metrics(config.host, config.metrics_port)
+        self._closing.callback(self.metrics.stop)
+        stop = threading.Event()
+
+        def reap() -> None:
+            while not stop.wait(config.worker_ttl_s):
+                for worker_id in index.reap_expired():
+                    log.warning("worker %s stopped heartbeating; dropped with its blocks", worker_id)
+
+        reaper = threading.Thread(target=reap, name="reaper", daemon=True)
+        reaper.start()
+        self._closing.callback(follow_readiness(self._running, self.ready))
+        self._closing.callback(reaper.join, 5)
+        self._closing.callback(stop.set)
+
+    def ready(self) -> bool:
+        """Serving, not draining, and at least one live worker of each role."""
+        if self._running is None or self._draining or self.cluster is None:
+            return False
+        roles = {info.role for info, _ in self.cluster.alive()}
+        return {ipb.WORKER_ROLE_PREFILL, ipb.WORKER_ROLE_DECODE} <= roles
+
+    def drain(self, timeout_s: float) -> None:
+        """NOT_SERVING, then the server refuses new calls and in-flight Generate streams finish
+        (up to ``timeout_s``) on the workers that hold them."""
+        if self._running is None:
+            return
+        self._draining = True
+        self._running.stop(timeout_s)
+
+    def stop(self) -> None:
+        self._draining = True
+        self._closing.close()
+
+
+def build(config: ConductorConfig, clock: Clock | None = None) -> Conductor:
+    """The Conductor of ``config``, not started (``clock``: injectable for tests)."""
+    return Conductor(config, clock)
+
+
+def serve(argv: list[str] | None = None) -> None:
+    """``tidekv serve --role conductor``: flags and ``TIDEKV_*`` -> build -> serve until SIGTERM/SIGINT."""
+    config = parse_config(ConductorConfig, argv, prog="tidekv serve --role conductor")
+
+    def announce(c: Conductor) -> None:
+        metrics = f", metrics on {c.metrics.address}" if c.metrics.address else ""
+        print(f"tidekv conductor serving on {c.address} (policy {config.policy}, index {config.index}{metrics})",
+              flush=True)
+
+    try:
+        serve_until_signal(build(config), config.drain_timeout_s, announce)
     except CalibrationError as e:
         raise SystemExit(f"tidekv conductor: {e}") from e
-    index = make_index(config.index, config.worker_ttl_s)
-    cluster = Cluster(index, check=calibration_check(config, costs))
-    records = RequestRecords()
-    core = build_core(config, cluster, costs, SystemClock())
-    inference = InferenceService(config, core, GrpcDispatcher(cluster), Admission(config.admission), records)
-    registry = RegistryService(cluster, config.heartbeat_interval_s)
-    running = start_server(
-        [lambda s: pgrpc.add_InferenceServicer_to_server(inference, s),
-         lambda s: igrpc.add_RegistryServicer_to_server(registry, s)],
-        ["tidekv.v1.Inference", "tidekv.v1.Registry"], config.host, config.port,
-        max_workers=config.max_running + config.max_queued + 32,
-    )
-    stop = threading.Event()
-
-    def reap() -> None:
-        while not stop.wait(config.worker_ttl_s):
-            for worker_id in index.reap_expired():
-                log.warning("worker %s stopped heartbeating; dropped with its blocks", worker_id)
-
-    threading.Thread(target=reap, name="reaper", daemon=True).start()
-    print(f"tidekv conductor serving on {running.address} (policy {config.policy}, index {config.index})",
-          flush=True)
-    serve_until_signal(running, grace_s=config.drain_timeout_s, on_stop=lambda: (stop.set(), index.close()))

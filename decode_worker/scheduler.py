@@ -10,6 +10,9 @@ Locking: one lock guards the cache manager and the request table; the loop holds
 bookkeeping around a step but not while the model runs. The KV of a reserved request is
 written by the transfer receiver's thread into pages that no step touches until the request
 is running.
+
+Metrics (``decode_worker.metrics.DecodeMetrics``, optional): the loop reports each step's
+duration and batch size; the gauges are read from ``load()`` when Prometheus scrapes.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decode_worker.metrics import DecodeMetrics
 from engine import CacheManager, HybridModel, SamplingParams, SequenceCache, sample
 from kvstore.index import WorkerLoad
 
@@ -54,7 +58,7 @@ class _Reserved:
 
 class DecodeScheduler:
     def __init__(self, model: HybridModel, num_pages: int, num_slots: int, block_size: int,
-                 max_batch: int = 32, reservation_ttl_s: float = 120.0):
+                 max_batch: int = 32, reservation_ttl_s: float = 120.0, metrics: DecodeMetrics | None = None):
         self.model = model
         self.cache: CacheManager = model.new_cache(num_pages, num_slots, block_size)
         self.max_batch = max_batch
@@ -67,6 +71,8 @@ class DecodeScheduler:
         self._stop = False
         self.draining = False
         self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
+        self.metrics = metrics or DecodeMetrics.disabled()
+        self.metrics.watch(self)
 
     # ---- called from RPC handlers ---------------------------------------------------------
     def start(self) -> None:
@@ -182,8 +188,10 @@ class DecodeScheduler:
 
     @torch.inference_mode()
     def _step(self, batch: list[_Running]) -> None:
+        t0 = time.perf_counter()
         logits = self.model.decode_step(self.cache, [r.seq for r in batch], [r.last_token for r in batch])
         tokens = sample(logits, [r.params for r in batch], [r.seq.num_tokens for r in batch])
+        self.metrics.step(len(batch), time.perf_counter() - t0)
         with self._lock:
             for run, tok in zip(batch, tokens, strict=True):
                 if run.seq.request_id not in self._running:

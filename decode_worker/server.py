@@ -1,4 +1,5 @@
-"""The decode worker process: gRPC ``Decode`` service over a ``DecodeScheduler``.
+"""The decode worker: gRPC ``Decode`` service over a ``DecodeScheduler``, as an embeddable
+service (``build(config)``, see ``runtime.service``) and as a process (``serve``).
 
 Reserve -> (KV arrives through the transfer receiver) -> Decode (stream) -> done/Release.
 A reservation whose Decode call never comes expires; a Decode stream whose client goes away
@@ -7,6 +8,7 @@ is cancelled and its cache freed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import uuid
@@ -15,6 +17,7 @@ import grpc
 
 import engine
 from decode_worker.config import DecodeConfig
+from decode_worker.metrics import DecodeMetrics
 from decode_worker.scheduler import DecodeScheduler, Finished
 from decode_worker.sink import expected_for, sink_for
 from kvstore.transfer.base import TransferConfig, TransferError
@@ -23,7 +26,9 @@ from proto import inference_pb2 as pb
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
 from proto.convert import sampling_from_proto
-from runtime.grpc_server import serve_until_signal, start_server
+from runtime.grpc_server import RunningServer, follow_readiness, start_server
+from runtime.metrics import Identity, MetricsServer, start_metrics
+from runtime.service import serve_until_signal
 from runtime.settings import parse_config, setup_torch
 from runtime.worker_link import WorkerLink
 
@@ -91,24 +96,102 @@ class DecodeService(igrpc.DecodeServicer):
                                num_live_requests=len(load.request_ids))
 
 
+class DecodeWorker:
+    """The decode worker as an embeddable ``runtime.service.Service``: built from its config,
+    it installs no signal handler and reads no environment; torch's process-wide settings
+    (threads, denormals) are the embedding process's (``runtime.settings.setup_torch``)."""
+
+    role = "decode"
+
+    def __init__(self, config: DecodeConfig):
+        config.require_conductor()
+        self.config = config
+        self.worker_id = config.worker_id or f"decode-{uuid.uuid4().hex[:6]}"
+        self._closing = contextlib.ExitStack()  # what start() made, closed in reverse by stop()
+        self.metrics = MetricsServer("")  # /metrics once started (address "" when off)
+        self._running: RunningServer | None = None
+        self._scheduler: DecodeScheduler | None = None
+        self._link: WorkerLink | None = None
+        self._transfer_address = ""
+        self._listening = False
+        self._draining = False
+
+    @property
+    def address(self) -> str:
+        return "" if self._running is None else self._running.address
+
+    @property
+    def transfer_address(self) -> str:
+        """The KV receiver's advertised address ("" before start)."""
+        return self._transfer_address
+
+    def start(self) -> None:
+        if self._running is not None:
+            raise RuntimeError(f"decode worker {self.worker_id} already started")
+        try:
+            self._start()
+        except BaseException:
+            self.stop()  # a failed start leaves nothing behind
+            raise
+
+    def _start(self) -> None:
+        cfg = self.config
+        ident = Identity(self.worker_id, "decode", cfg.model)
+        self.metrics = start_metrics(cfg.host, cfg.metrics_port, identity=ident, advertise_host=cfg.advertised_host)
+        self._closing.callback(self.metrics.stop)
+        model = engine.load_model(cfg.model, device=cfg.device)
+        self._scheduler = scheduler = DecodeScheduler(model, cfg.num_pages, cfg.num_slots, cfg.block_size,
+                                                      cfg.max_batch, metrics=DecodeMetrics(ident))
+        receiver = Receiver(TransferConfig(deadline_s=cfg.transfer_deadline_s, bind_host=cfg.host,
+                                           advertise_host=cfg.advertised_host), backends=cfg.transfer_backend)
+        self._closing.callback(receiver.close)
+        self._listening, self._transfer_address = True, receiver.address
+        scheduler.start()
+        self._closing.callback(scheduler.stop)
+        service = DecodeService(scheduler, receiver, cfg.transfer_deadline_s)
+        self._running = start_server([lambda s: igrpc.add_DecodeServicer_to_server(service, s)],
+                                     ["tidekv.v1.Decode"], cfg.host, cfg.port, advertise_host=cfg.advertised_host)
+        self._closing.callback(self._running.stop, 0)
+        info = ipb.WorkerInfo(worker_id=self.worker_id, role=ipb.WORKER_ROLE_DECODE,
+                              rpc_address=self._running.address, transfer_address=receiver.address,
+                              model_fingerprint=model.fingerprint, block_size=cfg.block_size,
+                              num_pages_total=cfg.num_pages, metrics_address=self.metrics.address)
+        self._link = WorkerLink(cfg.conductor, info, scheduler.load)
+        self._link.start()
+        self._closing.callback(self._link.stop)
+        self._closing.callback(follow_readiness(self._running, self.ready))
+
+    def ready(self) -> bool:
+        return (self._running is not None and self._listening and not self._draining
+                and self._link is not None and self._link.registered)
+
+    def drain(self, timeout_s: float) -> None:
+        if self._running is None:
+            return
+        self._draining = True
+        self._running.set_serving(False)
+        assert self._scheduler is not None
+        self._scheduler.drain(timeout_s)
+        self._running.stop(timeout_s)
+
+    def stop(self) -> None:
+        self._draining, self._listening = True, False
+        self._closing.close()
+
+
+def build(config: DecodeConfig) -> DecodeWorker:
+    """The decode worker of ``config``, not started (``ValueError`` without a Conductor address)."""
+    return DecodeWorker(config)
+
+
 def serve(argv: list[str] | None = None) -> None:
+    """``tidekv serve --role decode``: flags and ``TIDEKV_*`` -> build -> serve until SIGTERM/SIGINT."""
     cfg = parse_config(DecodeConfig, argv, prog="tidekv serve --role decode")
-    cfg.require_conductor()
+    worker = build(cfg)
     setup_torch(cfg.threads or None)
-    model = engine.load_model(cfg.model, device=cfg.device)
-    scheduler = DecodeScheduler(model, cfg.num_pages, cfg.num_slots, cfg.block_size, cfg.max_batch)
-    receiver = Receiver(TransferConfig(deadline_s=cfg.transfer_deadline_s, bind_host=cfg.host,
-                                       advertise_host=cfg.advertised_host), backends=cfg.transfer_backend)
-    service = DecodeService(scheduler, receiver, cfg.transfer_deadline_s)
-    running = start_server([lambda s: igrpc.add_DecodeServicer_to_server(service, s)],
-                           ["tidekv.v1.Decode"], cfg.host, cfg.port, advertise_host=cfg.advertised_host)
-    worker_id = cfg.worker_id or f"decode-{uuid.uuid4().hex[:6]}"
-    info = ipb.WorkerInfo(worker_id=worker_id, role=ipb.WORKER_ROLE_DECODE, rpc_address=running.address,
-                          transfer_address=receiver.address, model_fingerprint=model.fingerprint,
-                          block_size=cfg.block_size, num_pages_total=cfg.num_pages)
-    link = WorkerLink(cfg.conductor, info, scheduler.load)
-    scheduler.start()
-    link.start()
-    print(f"tidekv decode worker {worker_id} serving on {running.address}", flush=True)
-    serve_until_signal(running, grace_s=cfg.drain_timeout_s,
-                       on_stop=lambda: (link.stop(), scheduler.stop(), receiver.close()), drain=scheduler.drain)
+
+    def announce(w: DecodeWorker) -> None:
+        metrics = f", metrics on {w.metrics.address}" if w.metrics.address else ""
+        print(f"tidekv decode worker {w.worker_id} serving on {w.address}{metrics}", flush=True)
+
+    serve_until_signal(worker, cfg.drain_timeout_s, announce)

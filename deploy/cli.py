@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 
 from runtime.settings import setup_torch
 
@@ -68,28 +69,133 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
         from conductor.server import serve
     elif args.role == "prefill":
         from prefill_worker.server import serve
+    elif args.role == "http":
+        from openai_api.server import serve
     else:
         from decode_worker.server import serve
     serve(rest)
     return 0
 
 
-def _cmd_up(args: argparse.Namespace) -> int:
-    from deploy.local import ClusterConfig, LocalCluster
-    from runtime.grpc_server import wait_for_signal
+def _ray_config(args: argparse.Namespace):
+    """The Ray cluster of ``tidekv up --ray``: role configs from their flags (``--prefill-args``
+    ...) over ``TIDEKV_*`` over the defaults, then the ``up`` flags; placement from --ray-*."""
+    import dataclasses
+    import shlex
 
-    cluster = LocalCluster(ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, model=args.model,
-                                         policy=args.policy, index=args.index, port=args.port,
-                                         data_dir=args.data_dir))
-    print(f"starting conductor + {args.prefill} prefill + {args.decode} decode (logs in {cluster.data_dir}/logs)",
-          file=sys.stderr)
-    with cluster:
+    from conductor.config import ConductorConfig
+    from decode_worker.config import DecodeConfig
+    from deploy.ray_launcher import Placement, RayClusterConfig, parse_resources
+    from prefill_worker.config import PrefillConfig
+    from runtime.settings import parse_config
+
+    conductor = parse_config(ConductorConfig, shlex.split(args.conductor_args), prog="--conductor-args")
+    conductor = dataclasses.replace(conductor, model=args.model, policy=args.policy, index=args.index,
+                                    port=args.port, calibration=args.calibration or conductor.calibration)
+    prefill = dataclasses.replace(parse_config(PrefillConfig, shlex.split(args.prefill_args), prog="--prefill-args"),
+                                  model=args.model)
+    decode = dataclasses.replace(parse_config(DecodeConfig, shlex.split(args.decode_args), prog="--decode-args"),
+                                 model=args.model)
+    placements = {f"{role}_placement": Placement(args.ray_cpus, parse_resources(getattr(args, f"ray_{role}_resources")),
+                                                 strategy)
+                  for role, strategy in (("conductor", "PACK"), ("prefill", "PACK"), ("decode", "SPREAD"))}
+    return RayClusterConfig(conductor=conductor, prefill=prefill, decode=decode, num_prefill=args.prefill,
+                            num_decode=args.decode, namespace=args.namespace, **placements)
+
+
+def _cmd_up_ray(args: argparse.Namespace) -> int:
+    from deploy.ray_launcher import RayCluster, connect, format_reports
+    from runtime.service import wait_for_signal
+
+    config = _ray_config(args)
+    if args.ray == "local" and args.detach:
+        raise ValueError("--detach needs a Ray cluster that outlives this command: --ray ADDRESS")
+    if args.ray == "local":  # a Ray instance for this command's life, offering every role's resource
+        connect("local", config.namespace, include_dashboard=False,
+                resources={"tidekv_conductor": 1, "tidekv_prefill": 64, "tidekv_decode": 64})
+    else:
+        connect(args.ray, config.namespace)
+    print(f"starting conductor + {args.prefill} prefill + {args.decode} decode as Ray actors "
+          f"(namespace {config.namespace})", file=sys.stderr)
+    cluster = RayCluster(config).start()
+    try:
+        print(format_reports(cluster.reports()), file=sys.stderr)
         print(f"tidekv cluster ready: endpoint {cluster.endpoint}", flush=True)
         if args.demo:
             from deploy.demo import run_demo
 
             return run_demo(cluster.endpoint)
-        wait_for_signal()
+        if args.detach:
+            return 0
+        wait_for_signal("press Ctrl-C to stop")
+    finally:
+        if not args.detach:
+            cluster.stop()
+    return 0
+
+
+def _cmd_scale(args: argparse.Namespace) -> int:
+    from deploy.ray_launcher import RayCluster, connect, format_reports
+
+    if args.prefill is None and args.decode is None:
+        raise ValueError("tidekv scale: give --prefill N and/or --decode N")
+    connect(args.ray, args.namespace)
+    cluster = RayCluster.attach(args.namespace)
+    for role in ("prefill", "decode"):
+        if getattr(args, role) is not None:
+            print(f"scaling the {role} pool to {getattr(args, role)} ...", file=sys.stderr)
+            cluster.scale(role, getattr(args, role))
+    print(format_reports(cluster.reports()))
+    return 0
+
+
+def _calibration_for_up(args: argparse.Namespace) -> str:
+    """The cost-model file ``tidekv up`` gives its Conductor: --calibration, else the one keyed
+    by model, device and threads in the cache directory, measured now (quick grid, about 20 s,
+    announced) when missing. Other policies than mooncake need none."""
+    if args.calibration or args.policy != "mooncake":
+        return args.calibration
+    import engine
+    from costmodel import default_calibration_path, ensure_calibration
+    from runtime.settings import torch_threads
+
+    threads = torch_threads()
+    model = engine.load_model(args.model)
+    cache_dir = Path(args.data_dir or "~/.cache/tidekv").expanduser()
+    ensure_calibration(cache_dir, model, "cpu", threads, quick=True,
+                       log=lambda msg: print(f"tidekv up: {msg}", file=sys.stderr))
+    return str(default_calibration_path(cache_dir, model.fingerprint, "cpu", threads))
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    if args.ray is None or args.calibration:
+        args.calibration = _calibration_for_up(args)
+    if args.ray is not None:
+        return _cmd_up_ray(args)
+    from deploy.local import ClusterConfig, LocalCluster
+    from runtime.service import wait_for_signal
+
+    cluster = LocalCluster(ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, model=args.model,
+                                         policy=args.policy, index=args.index, port=args.port,
+                                         data_dir=args.data_dir, calibration=args.calibration,
+                                         http_port=args.http_port))
+    print(f"starting conductor + {args.prefill} prefill + {args.decode} decode (logs in {cluster.data_dir}/logs)",
+          file=sys.stderr)
+    with cluster:
+        http = f", OpenAI HTTP API {cluster.http_url}" if cluster.http_url else ""
+        print(f"tidekv cluster ready: endpoint {cluster.endpoint}{http}", flush=True)
+        print(f"metrics: {', '.join(cluster.metrics_addresses())}", file=sys.stderr)
+        if args.prometheus:
+            from observe.prometheus import write_scrape_config
+
+            path = write_scrape_config(args.prometheus, cluster.metrics_addresses())
+            print(f"Prometheus scrape config for this cluster: {path} (prometheus --config.file {path})",
+                  file=sys.stderr)
+        if args.demo:
+            from deploy.demo import run_demo
+
+            return run_demo(cluster.endpoint)
+        wait_for_signal("press Ctrl-C to stop")
     return 0
 
 
@@ -101,6 +207,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     with LocalCluster(ClusterConfig(num_prefill=2, num_decode=1, model=args.model)) as cluster:
         print(f"cluster ready at {cluster.endpoint}", file=sys.stderr)
         return run_demo(cluster.endpoint)
+
+
+def _add_ray_flags(up: argparse.ArgumentParser) -> None:
+    up.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                    help="run the roles as Ray actors on the cluster at ADDRESS (host:port or auto); "
+                         "without ADDRESS, on a new Ray instance for this command's life")
+    up.add_argument("--namespace", default="tidekv", help="--ray: the Ray namespace of the actors")
+    up.add_argument("--detach", action="store_true", help="--ray ADDRESS: leave the cluster running and return")
+    up.add_argument("--ray-cpus", type=float, default=0.25, help="--ray: CPUs each actor asks for")
+    for role in ("conductor", "prefill", "decode"):
+        up.add_argument(f"--ray-{role}-resources", default=f"tidekv_{role}=1", metavar="NAME=N,...",
+                        help=f"--ray: custom resources each {role} actor asks for ('' for none)")
+        up.add_argument(f"--{role}-args", default="", metavar="FLAGS",
+                        help=f"--ray: flags of `tidekv serve --role {role}`, as one string")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,7 +254,18 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--calibration", default="", help="cost-model file for the Conductor (default: calibrate "
                                                       "once per model and machine)")
     up.add_argument("--demo", action="store_true", help="run the demo requests, then stop")
+    up.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP front (0: a free port, "
+                                                                "-1: none)")
+    up.add_argument("--prometheus", default="", metavar="FILE",
+                    help="write a Prometheus scrape config for this cluster's /metrics endpoints to FILE")
+    _add_ray_flags(up)
     up.set_defaults(func=_cmd_up)
+    scale = sub.add_parser("scale", help="resize a pool of a cluster on Ray (started with `tidekv up --ray`)")
+    scale.add_argument("--prefill", type=int, help="prefill workers wanted")
+    scale.add_argument("--decode", type=int, help="decode workers wanted")
+    scale.add_argument("--ray", default="auto", metavar="ADDRESS", help="the Ray cluster (default: auto)")
+    scale.add_argument("--namespace", default="tidekv", help="the Ray namespace of the Tidekv cluster")
+    scale.set_defaults(func=_cmd_scale)
     from costmodel.cli import add_calibrate_parser
     from replay.cli import add_replay_parser, add_report_parser
     from replay.sim.cli import add_simulate_parser
@@ -143,8 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_replay_parser(sub)
     add_report_parser(sub)
     add_simulate_parser(sub)
+    from observe.dashboard import add_dashboard_parser
+    from observe.top import add_top_parser
+
+    add_top_parser(sub)
+    add_dashboard_parser(sub)
     serve = sub.add_parser("serve", help="run one process of a cluster", add_help=False)
-    serve.add_argument("--role", required=True, choices=["conductor", "prefill", "decode"])
+    serve.add_argument("--role", required=True, choices=["conductor", "prefill", "decode", "http"])
     serve.set_defaults(func=_cmd_serve)
     return p
 

@@ -49,6 +49,7 @@ class ClusterConfig:
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict, hash=False)
+    http_port: int = -1  # the OpenAI HTTP front: -1 none, 0 a free port
 
 
 class LocalCluster:
@@ -58,7 +59,19 @@ class LocalCluster:
         self._owns_data_dir = not config.data_dir
         self.data_dir = Path(config.data_dir or tempfile.mkdtemp(prefix="tidekv-up-"))
         self.port = config.port or free_port()
+        self.metrics_port = free_port()  # the Conductor's /metrics; workers pick their own
+        self.http_port = (config.http_port or free_port()) if config.http_port >= 0 else -1
         self.procs: dict[str, subprocess.Popen] = {}
+
+    @property
+    def http_url(self) -> str:
+        """The OpenAI HTTP front's base URL ("" without one)."""
+        return f"http://127.0.0.1:{self.http_port}/v1" if self.http_port > 0 else ""
+
+    def metrics_addresses(self) -> list[str]:
+        """Every process's /metrics host:port: the Conductor's and each registered worker's."""
+        return [f"127.0.0.1:{self.metrics_port}",
+                *(w.metrics_address for w in self.workers().workers if w.metrics_address)]
 
     @property
     def endpoint(self) -> str:
@@ -78,7 +91,8 @@ class LocalCluster:
         c = self.config
         calibration = ["--calibration", c.calibration] if c.calibration else []
         self._spawn("conductor", "conductor", ["--port", str(self.port), "--model", c.model, "--policy", c.policy,
-                                              "--index", c.index, *calibration, *c.conductor_args])
+                                              "--index", c.index, "--metrics-port", str(self.metrics_port),
+                                              *calibration, *c.conductor_args])
 
     def restart_conductor(self, timeout_s: float = 60.0) -> None:
         """Kills the Conductor (SIGKILL: no drain) and starts a new one on the same port; the
@@ -101,10 +115,29 @@ class LocalCluster:
                                                  "--model", c.model, *c.decode_args])
         try:
             self.wait_ready(timeout_s)
+            if self.http_port > 0:
+                self._spawn("http", "http", ["--conductor", self.endpoint, "--port", str(self.http_port),
+                                             "--model", c.model])
+                self._wait_http(timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _wait_http(self, timeout_s: float) -> None:
+        import urllib.request
+
+        until = time.monotonic() + timeout_s
+        while time.monotonic() < until:
+            if self.procs["http"].poll() is not None:
+                tail = (self.data_dir / "logs" / "http.log").read_text()[-2000:]
+                raise RuntimeError(f"the HTTP front exited with {self.procs['http'].returncode}:\n{tail}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError(f"the HTTP front did not answer within {timeout_s:.0f}s")
 
     def workers(self) -> ipb.WorkersResponse:
         stub = igrpc.RegistryStub(channel(self.endpoint))
@@ -128,11 +161,12 @@ class LocalCluster:
         raise RuntimeError(f"cluster not ready within {timeout_s:.0f}s (logs in {self.data_dir / 'logs'})")
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """Drains front to back: SIGTERM the Conductor and wait (its in-flight requests finish
-        on live workers), then SIGTERM the workers; SIGKILL whatever outlives ``grace_s``."""
+        """Drains front to back: SIGTERM the HTTP front, then the Conductor, and wait (in-flight
+        requests finish on live workers), then SIGTERM the workers; SIGKILL whatever outlives
+        ``grace_s``."""
         until = time.monotonic() + grace_s
-        conductor = [n for n in self.procs if n == "conductor"]
-        for group in (conductor, [n for n in self.procs if n != "conductor"]):
+        fronts = [[n for n in self.procs if n == "http"], [n for n in self.procs if n == "conductor"]]
+        for group in (*fronts, [n for n in self.procs if n not in ("http", "conductor")]):
             for name in group:
                 if self.procs[name].poll() is None:
                     self.procs[name].send_signal(signal.SIGTERM)

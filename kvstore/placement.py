@@ -5,7 +5,7 @@ Owns the tier backends, one eviction policy instance per tier, which tier holds 
 with demotion (device -> DRAM -> SSD -> dropped) and drops, and reports every change through
 the event callback, in order. Victims come from the tier's policy (a pure choice); nothing
 is evicted unless the choice frees enough. Not thread-safe: ``TieredStore`` calls it under
-its lock.
+its lock. Moves are counted in an optional ``StoreMetrics`` (evictions, demotions, promotions).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from kvstore.blocks import BlockKey, Tier
 from kvstore.device import DeviceTier
 from kvstore.dram import DramTier
 from kvstore.eviction import EvictionPolicy, EvictionView, make_policy
+from kvstore.metrics import StoreMetrics
 from kvstore.payload import BlockPayload, decode, encode, encode_parts
 from kvstore.sized import SizedBlob, SizedTier
 from kvstore.ssd import SsdTier
@@ -55,8 +56,10 @@ class Placement:
         policy_name: str,
         promote_to: Tier,
         on_event: Callable[[StoreEvent], None] | None,
+        metrics: StoreMetrics | None = None,
     ) -> None:
         self.tiers = dict(sorted(tiers.items()))
+        self.metrics = metrics or StoreMetrics.disabled()
         self.policies: dict[Tier, EvictionPolicy] = {t: make_policy(policy_name) for t in self.tiers}
         self.promote_to = promote_to
         self.where: dict[BlockKey, Tier] = {}
@@ -164,6 +167,7 @@ class Placement:
         self._detach(key, source)
         if self._insert(key, blob, target):
             self.where[key] = target
+            self.metrics.promoted(source)
             self._emit("moved", key, target)
         elif not self._insert(key, blob, source):
             del self.where[key]
@@ -212,6 +216,7 @@ class Placement:
         if sum(ledger.sizes_bytes[v] for v in victims) < deficit:
             return False
         for victim in victims:
+            self.metrics.evicted(tier)
             self._demote(victim, tier)
         return True
 
@@ -224,6 +229,7 @@ class Placement:
                 if self._insert(key, blob, target):
                     self._detach(key, tier)
                     self.where[key] = target
+                    self.metrics.demoted(tier)
                     logger.debug("demoted %s from %s to %s", key.hex(), tier.name, target.name)
                     self._emit("moved", key, target)
                     return

@@ -10,6 +10,9 @@ promoted or replaced.
 Locking: one ``threading.Lock`` guards every public method, tier I/O included (so a slow
 SSD write delays other callers). ``on_event`` callbacks run under that lock, in the order
 the changes happen; a callback must be quick (enqueue) and must not call the store.
+
+Metrics (``kvstore.metrics.StoreMetrics``, optional): lookups by tier and misses here,
+evictions, demotions and promotions in ``Placement``; the gauges read ``tier_usage()``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from kvstore.device import DeviceTier
 from kvstore.dram import DramTier
 from kvstore.eviction import DEFAULT_POLICY, POLICIES
 from kvstore.hitrule import MatchResult, SnapshotPolicy, match_blocks
+from kvstore.metrics import StoreMetrics
 from kvstore.payload import BlockPayload, verify
 from kvstore.placement import Backend, Placement, StoreEvent, as_bytes, as_payload
 from kvstore.ssd import SsdTier
@@ -75,8 +79,10 @@ class TieredStore:
         *,
         device: DeviceTier | None = None,
         on_event: Callable[[StoreEvent], None] | None = None,
+        metrics: StoreMetrics | None = None,
     ) -> None:
         self.config = config
+        self.metrics = metrics or StoreMetrics.disabled()
         self._lock = threading.Lock()
         tiers: dict[Tier, Backend] = {}
         if device is not None:
@@ -94,8 +100,9 @@ class TieredStore:
             )
         if not tiers:
             raise ValueError("a store needs at least one tier: give DRAM or SSD capacity, or a device tier")
-        self._placement = Placement(tiers, config.eviction_policy, config.promote_to, on_event)
+        self._placement = Placement(tiers, config.eviction_policy, config.promote_to, on_event, self.metrics)
         self._placement.republish_ssd()
+        self.metrics.watch(self)
 
     def close(self) -> None:
         """Release file handles; SSD blocks stay on disk for the next store."""
@@ -139,6 +146,12 @@ class TieredStore:
 
     def capacity_bytes(self, tier: Tier) -> int:
         return self._backend(tier).ledger.capacity_bytes
+
+    def tier_usage(self) -> dict[Tier, tuple[int, int, int]]:
+        """(used bytes, capacity bytes, blocks) per configured tier, in one consistent look."""
+        with self._lock:
+            return {t: (b.ledger.used_bytes, b.ledger.capacity_bytes, len(b.ledger.sizes_bytes))
+                    for t, b in self._placement.tiers.items()}
 
     def keys(self, tier: Tier) -> list[BlockKey]:
         with self._lock:
@@ -196,13 +209,13 @@ class TieredStore:
         SSD (then dropped). A hit counts as an access and promotes an unpinned block found
         below ``config.promote_to`` (when room can be made there)."""
         with self._lock:
-            blob = self._placement.get(key)
+            blob = self._lookup(key)
             return None if blob is None else as_payload(blob)
 
     def try_get_encoded(self, key: BlockKey) -> bytes | None:
         """The block's encoded bytes (to send to a peer), or None; same effects as try_get."""
         with self._lock:
-            blob = self._placement.get(key)
+            blob = self._lookup(key)
             return None if blob is None else as_bytes(blob)
 
     def remove(self, key: BlockKey) -> bool:
@@ -248,6 +261,13 @@ class TieredStore:
             self._placement.check_integrity()
 
     # ----- helpers ---------------------------------------------------------------------
+
+    def _lookup(self, key: BlockKey):
+        """``Placement.get`` counted as a hit (by the tier it was in) or a miss. Under the lock."""
+        tier = self._placement.where.get(key)
+        blob = self._placement.get(key)
+        self.metrics.lookup(tier if blob is not None else None)
+        return blob
 
     def _backend(self, tier: Tier) -> Backend:
         if tier not in self._placement.tiers:

@@ -13,6 +13,8 @@ Owns the worker's engine state (model, cache manager) and the order of a prefill
 The cache is always released, whatever happens.
 
 Prefills run one at a time (``_engine_lock``); waiting requests count as the queue.
+Metrics (``prefill_worker.metrics.PrefillMetrics``, optional): tokens and duration per
+prefill, layer and chunk compute times from the per-layer hook; gauges read ``load()``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from kvstore.store import TieredStore
 from kvstore.transfer.base import TransferError
 from kvstore.transfer.frames import Kind
 from prefill_worker.blocks import load_blocks, payload_of_block
+from prefill_worker.metrics import PrefillMetrics
 from prefill_worker.transfers import TransferHub
 
 log = logging.getLogger(__name__)
@@ -67,7 +70,7 @@ class PrefillOutcome:
 
 class PrefillRunner:
     def __init__(self, model: HybridModel, store: TieredStore, hub: TransferHub, num_pages: int,
-                 block_size: int, snapshot_interval_blocks: int):
+                 block_size: int, snapshot_interval_blocks: int, metrics: PrefillMetrics | None = None):
         self.model = model
         self.store = store
         self.hub = hub
@@ -79,6 +82,8 @@ class PrefillRunner:
         self._count_lock = threading.Lock()
         # request id -> (new tokens, reused tokens, perf_counter start or None while queued)
         self._jobs: dict[str, tuple[int, int, float | None]] = {}
+        self.metrics = metrics or PrefillMetrics.disabled()
+        self.metrics.watch(self)
 
     @property
     def queue_len(self) -> int:
@@ -143,7 +148,9 @@ class PrefillRunner:
             first = self._prefill_and_push(job, seq, cached, sender, is_cancelled)
             sender.finish(job.request_id, self.model.cfg.num_hidden_layers, timeout_s=job.deadline_s)
             self._store_new_blocks(job, seq, cached)
-            return PrefillOutcome(first, cached, time.perf_counter() - t0)
+            prefill_s = time.perf_counter() - t0
+            self.metrics.prefilled(len(job.token_ids) - cached, cached, prefill_s)
+            return PrefillOutcome(first, cached, prefill_s)
         except BaseException as e:
             if sender is not None:
                 sender.abort(job.request_id, f"prefill failed: {e}")
@@ -194,11 +201,15 @@ class PrefillRunner:
             for layer, i in mla_index.items():
                 self._push_rows(sender, rid, seq, layer, i, 0, cached)
 
+        timer = self.metrics.layer_timer(cfg.num_hidden_layers - 1, mla_index)
+
         def on_layer(layer: int, start: int, end: int) -> None:
+            timer.layer_done(layer)
             if is_cancelled():
                 raise Cancelled(f"request {rid} cancelled during prefill")
             if layer in mla_index:
                 self._push_rows(sender, rid, seq, layer, mla_index[layer], start, end)
+            timer.resume(layer)
 
         bs = self.cache.block_size
         points = [(i + 1) * bs for i in self.snapshots.snapshot_points(len(job.token_ids) // bs)]

@@ -1,4 +1,5 @@
-"""The prefill worker process: gRPC ``Prefill`` service over a ``PrefillRunner`` and its store.
+"""The prefill worker: gRPC ``Prefill`` service over a ``PrefillRunner`` and its store, as an
+embeddable service (``build(config)``, see ``runtime.service``) and as a process (``serve``).
 
 Block events of the store (stored / moved / removed) are queued; a Prefill response carries
 the ones produced up to its end so the Conductor publishes them before the next request
@@ -7,7 +8,9 @@ routes, and heartbeats carry the rest (evictions between requests).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import shutil
 import tempfile
 import threading
 import uuid
@@ -15,15 +18,19 @@ import uuid
 import grpc
 
 import engine
+from kvstore.metrics import StoreMetrics
 from kvstore.store import StoreConfig, StoreEvent, TieredStore
 from kvstore.transfer.base import TransferConfig, TransferError
 from prefill_worker.config import PrefillConfig
+from prefill_worker.metrics import PrefillMetrics
 from prefill_worker.runner import Busy, Cancelled, PrefillJob, PrefillRunner
 from prefill_worker.transfers import TransferHub
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
 from proto.convert import block_event, sampling_from_proto
-from runtime.grpc_server import serve_until_signal, start_server
+from runtime.grpc_server import RunningServer, follow_readiness, start_server
+from runtime.metrics import Identity, MetricsServer, start_metrics
+from runtime.service import serve_until_signal
 from runtime.settings import parse_config, setup_torch
 from runtime.worker_link import WorkerLink
 
@@ -98,39 +105,118 @@ class PrefillService(igrpc.PrefillServicer):
         return sum(len(store.keys(t)) for t in store.tiers)
 
 
+class PrefillWorker:
+    """The prefill worker as an embeddable ``runtime.service.Service``: built from its config,
+    it installs no signal handler and reads no environment; torch's process-wide settings
+    (threads, denormals) are the embedding process's (``runtime.settings.setup_torch``)."""
+
+    role = "prefill"
+
+    def __init__(self, config: PrefillConfig):
+        config.require_conductor()
+        self.config = config
+        self.worker_id = config.worker_id or f"prefill-{uuid.uuid4().hex[:6]}"
+        self.data_dir = config.data_dir
+        self._closing = contextlib.ExitStack()  # what start() made, closed in reverse by stop()
+        self.metrics = MetricsServer("")  # /metrics once started (address "" when off)
+        self._running: RunningServer | None = None
+        self._runner: PrefillRunner | None = None
+        self._link: WorkerLink | None = None
+        self._transfer_address = ""
+        self._draining = False
+
+    @property
+    def address(self) -> str:
+        return "" if self._running is None else self._running.address
+
+    @property
+    def transfer_address(self) -> str:
+        """The KV transfer engine's advertised address ("" before start)."""
+        return self._transfer_address
+
+    def start(self) -> None:
+        if self._running is not None:
+            raise RuntimeError(f"prefill worker {self.worker_id} already started")
+        try:
+            self._start()
+        except BaseException:
+            self.stop()  # a failed start leaves nothing behind
+            raise
+
+    def _start(self) -> None:
+        cfg = self.config
+        ident = Identity(self.worker_id, "prefill", cfg.model)
+        self.metrics = start_metrics(cfg.host, cfg.metrics_port, identity=ident, advertise_host=cfg.advertised_host)
+        self._closing.callback(self.metrics.stop)
+        model = engine.load_model(cfg.model, device=cfg.device)
+        mcfg = model.cfg
+        state_bytes = mcfg.kda_num_heads * mcfg.kda_head_dim**2 * 4  # one KDA layer's state: one frame
+        if cfg.max_frame_bytes < state_bytes:
+            raise ValueError(f"--max-frame-bytes {cfg.max_frame_bytes} is below one KDA state ({state_bytes} bytes)")
+        if not self.data_dir:
+            self.data_dir = tempfile.mkdtemp(prefix=f"tidekv-{self.worker_id}-")
+            self._closing.callback(shutil.rmtree, self.data_dir, ignore_errors=True)
+        events = EventQueue()
+        store = TieredStore(StoreConfig(model_fingerprint=model.fingerprint, dram_capacity_bytes=cfg.dram_bytes,
+                                        ssd_capacity_bytes=cfg.ssd_bytes, ssd_dir=f"{self.data_dir}/ssd",
+                                        eviction_policy=cfg.eviction,
+                                        snapshot_interval_blocks=cfg.snapshot_interval_blocks),
+                            on_event=events.on_event, metrics=StoreMetrics(ident))
+        self._closing.callback(store.close)
+        hub = TransferHub(TransferConfig(bind_host=cfg.host, advertise_host=cfg.advertised_host,
+                                         max_frame_bytes=cfg.max_frame_bytes), cfg.transfer_backend)
+        self._closing.callback(hub.close)
+        self._transfer_address = hub.address
+        self._runner = runner = PrefillRunner(model, store, hub, cfg.num_pages, cfg.block_size,
+                                              cfg.snapshot_interval_blocks, metrics=PrefillMetrics(ident))
+        service = PrefillService(runner, hub, events)
+        self._running = start_server([lambda s: igrpc.add_PrefillServicer_to_server(service, s)],
+                                     ["tidekv.v1.Prefill"], cfg.host, cfg.port, advertise_host=cfg.advertised_host)
+        self._closing.callback(self._running.stop, 0)
+        info = ipb.WorkerInfo(worker_id=self.worker_id, role=ipb.WORKER_ROLE_PREFILL,
+                              rpc_address=self._running.address, transfer_address=hub.address,
+                              model_fingerprint=model.fingerprint, block_size=cfg.block_size,
+                              num_pages_total=cfg.num_pages, dram_capacity_bytes=cfg.dram_bytes,
+                              ssd_capacity_bytes=cfg.ssd_bytes, metrics_address=self.metrics.address)
+
+        def all_blocks() -> list[ipb.BlockEvent]:
+            return [block_event(k, t, store.has_snapshot(k)) for t in store.tiers for k in store.keys(t)]
+
+        self._link = WorkerLink(cfg.conductor, info, runner.load, all_blocks, drain_events=events.drain)
+        self._link.start()
+        self._closing.callback(self._link.stop)
+        self._closing.callback(follow_readiness(self._running, self.ready))
+
+    def ready(self) -> bool:
+        return self._running is not None and not self._draining and self._link is not None and self._link.registered
+
+    def drain(self, timeout_s: float) -> None:
+        if self._running is None:
+            return
+        self._draining = True
+        self._running.set_serving(False)
+        assert self._runner is not None
+        self._runner.drain(timeout_s)
+        self._running.stop(timeout_s)
+
+    def stop(self) -> None:
+        self._draining = True
+        self._closing.close()
+
+
+def build(config: PrefillConfig) -> PrefillWorker:
+    """The prefill worker of ``config``, not started (``ValueError`` without a Conductor address)."""
+    return PrefillWorker(config)
+
+
 def serve(argv: list[str] | None = None) -> None:
+    """``tidekv serve --role prefill``: flags and ``TIDEKV_*`` -> build -> serve until SIGTERM/SIGINT."""
     cfg = parse_config(PrefillConfig, argv, prog="tidekv serve --role prefill")
-    cfg.require_conductor()
+    worker = build(cfg)
     setup_torch(cfg.threads or None)
-    model = engine.load_model(cfg.model, device=cfg.device)
-    mcfg = model.cfg
-    state_bytes = mcfg.kda_num_heads * mcfg.kda_head_dim**2 * 4  # one KDA layer's state: one frame
-    if cfg.max_frame_bytes < state_bytes:
-        raise ValueError(f"--max-frame-bytes {cfg.max_frame_bytes} is below one KDA state ({state_bytes} bytes)")
-    worker_id = cfg.worker_id or f"prefill-{uuid.uuid4().hex[:6]}"
-    data_dir = cfg.data_dir or tempfile.mkdtemp(prefix=f"tidekv-{worker_id}-")
-    events = EventQueue()
-    store = TieredStore(StoreConfig(model_fingerprint=model.fingerprint, dram_capacity_bytes=cfg.dram_bytes,
-                                    ssd_capacity_bytes=cfg.ssd_bytes, ssd_dir=f"{data_dir}/ssd",
-                                    eviction_policy=cfg.eviction,
-                                    snapshot_interval_blocks=cfg.snapshot_interval_blocks),
-                        on_event=events.on_event)
-    hub = TransferHub(TransferConfig(bind_host=cfg.host, advertise_host=cfg.advertised_host,
-                                     max_frame_bytes=cfg.max_frame_bytes), cfg.transfer_backend)
-    runner = PrefillRunner(model, store, hub, cfg.num_pages, cfg.block_size, cfg.snapshot_interval_blocks)
-    service = PrefillService(runner, hub, events)
-    running = start_server([lambda s: igrpc.add_PrefillServicer_to_server(service, s)],
-                           ["tidekv.v1.Prefill"], cfg.host, cfg.port, advertise_host=cfg.advertised_host)
-    info = ipb.WorkerInfo(worker_id=worker_id, role=ipb.WORKER_ROLE_PREFILL, rpc_address=running.address,
-                          transfer_address=hub.address, model_fingerprint=model.fingerprint,
-                          block_size=cfg.block_size, num_pages_total=cfg.num_pages,
-                          dram_capacity_bytes=cfg.dram_bytes, ssd_capacity_bytes=cfg.ssd_bytes)
 
-    def all_blocks() -> list[ipb.BlockEvent]:
-        return [block_event(k, t, store.has_snapshot(k)) for t in store.tiers for k in store.keys(t)]
+    def announce(w: PrefillWorker) -> None:
+        metrics = f", metrics on {w.metrics.address}" if w.metrics.address else ""
+        print(f"tidekv prefill worker {w.worker_id} serving on {w.address} (data {w.data_dir}{metrics})", flush=True)
 
-    link = WorkerLink(cfg.conductor, info, runner.load, all_blocks, drain_events=events.drain)
-    link.start()
-    print(f"tidekv prefill worker {worker_id} serving on {running.address} (data {data_dir})", flush=True)
-    serve_until_signal(running, grace_s=cfg.drain_timeout_s,
-                       on_stop=lambda: (link.stop(), hub.close(), store.close()), drain=runner.drain)
+    serve_until_signal(worker, cfg.drain_timeout_s, announce)

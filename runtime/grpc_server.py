@@ -1,17 +1,19 @@
 """gRPC server plumbing shared by every Tidekv process: bind, health, reflection, drain.
 
 ``start_server`` binds ``host:port`` (127.0.0.1 unless told otherwise; port 0 picks a free
-one), registers the standard health service (all given services SERVING) and server
-reflection. ``serve_until_signal`` blocks until SIGTERM/SIGINT, then marks the process NOT
-SERVING and drains: a worker's ``drain`` refuses new requests but keeps serving the RPCs of
-requests it already holds until they end; then the server stops accepting RPCs and lets
-in-flight ones finish within ``grace_s``.
+one), registers the standard health service and server reflection. Health has two meanings:
+the overall name ``""`` and each service's name say *ready* (``follow_readiness`` keeps them
+equal to the role's ``ready()``: a worker once registered, the Conductor once it has a live
+worker of each role; NOT_SERVING while draining), and ``LIVENESS`` says the process is up
+(what a liveness or startup probe asks; it never depends on other processes).
+``RunningServer.stop(grace_s)`` marks it NOT SERVING, stops accepting RPCs and lets
+in-flight ones finish within ``grace_s``. Nothing here installs signal handlers: a role's
+``Service`` (``runtime.service``) decides when to drain and stop.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -24,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20
+LIVENESS = "tidekv.liveness"  # health name: SERVING from start to stop, whatever the readiness
 
 
 @dataclass
@@ -46,6 +49,7 @@ class RunningServer:
 
     def stop(self, grace_s: float) -> None:
         self.set_serving(False)
+        self.health.set(LIVENESS, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.server.stop(grace_s).wait()
 
 
@@ -71,39 +75,33 @@ def start_server(
     if not advertise_host:
         advertise_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     running = RunningServer(server, bound, health_servicer, tuple(service_names), advertise_host)
-    running.set_serving(True)
+    running.set_serving(False)  # not ready until the role says so (follow_readiness)
+    health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     return running
 
 
-def serve_until_signal(running: RunningServer, grace_s: float = 30.0,
-                       on_stop: Callable[[], None] | None = None,
-                       drain: Callable[[float], None] | None = None) -> None:
-    """Blocks until SIGTERM or SIGINT, then drains (see module docstring) and returns.
-
-    ``drain(timeout_s)`` must refuse new work and return once the process holds no request
-    (or the timeout passed)."""
+def follow_readiness(running: RunningServer, ready: Callable[[], bool], interval_s: float = 0.5) -> Callable[[], None]:
+    """Keeps ``running``'s readiness health equal to ``ready()`` (checked now and every
+    ``interval_s``) in a daemon thread; returns the function that stops it."""
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    log.info("signal received: draining in-flight requests (up to %.0f s)", grace_s)
-    running.set_serving(False)
-    if drain is not None:
-        drain(grace_s)
-    running.stop(grace_s)
-    if on_stop is not None:
-        on_stop()
+
+    def follow() -> None:
+        while True:
+            try:
+                running.set_serving(ready())
+            except Exception:  # noqa: BLE001 - a failing check means not ready, and is logged
+                log.exception("readiness check failed")
+                running.set_serving(False)
+            if stop.wait(interval_s):
+                return
+
+    running.set_serving(ready())
+    thread = threading.Thread(target=follow, name="readiness", daemon=True)
+    thread.start()
+    return lambda: (stop.set(), thread.join(timeout=5))
 
 
 def channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
 
-
-def wait_for_signal() -> None:
-    """Blocks until SIGTERM/SIGINT (used by ``tidekv up`` in the foreground)."""
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    print("press Ctrl-C to stop", flush=True)
-    stop.wait()

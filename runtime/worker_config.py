@@ -20,6 +20,10 @@ class WorkerConfig:
     advertise_host: str = field(default="", metadata={"help": "address registered with the Conductor "
                                                               "(default: --host, or 127.0.0.1 for 0.0.0.0)"})
     port: int = field(default=0, metadata={"help": "gRPC port (0: a free one)"})
+    # 0 by default: several local processes share one host, so each takes a free port and
+    # prints it; the Kubernetes manifests set 9400 (one process per pod, a fixed scrape port).
+    metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port on --host "
+                                                           "(0: a free one, -1: no metrics endpoint)"})
     worker_id: str = field(default="", metadata={"help": "stable id (default: role plus a random suffix)"})
     num_pages: int = field(default=1024, metadata={"help": "MLA cache pages in the engine's pool"})
     block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": "tokens per page and per block"})
@@ -34,6 +38,8 @@ class WorkerConfig:
             raise ValueError(f"num_pages {self.num_pages} and block_size {self.block_size} must be >= 1")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} not in 0..65535")
+        if not -1 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port {self.metrics_port} not in -1..65535 (-1: off, 0: a free port)")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s {self.drain_timeout_s} < 0")
 

@@ -42,6 +42,11 @@ class WorkerLink:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def registered(self) -> bool:
+        """True once the Conductor accepted this worker; False again while it must re-register."""
+        return self._registered
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)

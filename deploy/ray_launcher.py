@@ -1,0 +1,397 @@
+"""Tidekv on a Ray cluster: the three roles as Ray actors placed by resources.
+
+What runs where (names in the Ray namespace ``config.namespace``, "tidekv" by default):
+
+    conductor            detached actor: the Conductor service, public gRPC endpoint + registry
+    prefill-K-I          detached actor in bundle I of placement group "<ns>-prefill-gK" (PACK)
+    decode-K-I           detached actor in bundle I of placement group "<ns>-decode-gK" (SPREAD)
+
+Each actor is a ``RoleActor``: it builds its role's service (``build(config)``, see
+``runtime.service``) and starts it in ``__init__``, so a restart by Ray (``max_restarts``)
+builds a fresh one, which registers with the Conductor again under the same worker id. Every
+actor binds and advertises its node's address (a role config that names another bind host,
+such as 0.0.0.0, keeps it). A worker whose config names no Conductor asks the named
+``conductor`` actor for its address whenever it (re)starts.
+
+A pool grows by a placement group per scale-up (one bundle per worker: ``CPU``, the role's
+custom resources such as ``tidekv_prefill``, a ``GPU`` when the config says CUDA), filling free
+bundles of its groups first; it shrinks newest first: drain, stop, kill, wait until the
+Conductor has dropped the worker, and remove each group left empty. The launcher holds no
+state of its own: ``RayCluster.attach`` (``tidekv scale``) rebuilds it from the named actors and
+placement groups, and the cluster config is kept by the Conductor actor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from conductor.config import ConductorConfig
+from decode_worker.config import DecodeConfig
+from prefill_worker.config import PrefillConfig
+from runtime.settings import setup_torch
+
+NAMESPACE = "tidekv"
+CONDUCTOR = "conductor"
+POOLS = ("prefill", "decode")
+BUILDERS = {"conductor": "conductor.server", "prefill": "prefill_worker.server", "decode": "decode_worker.server"}
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+WILDCARDS = ("0.0.0.0", "::", "")
+Resources = tuple[tuple[str, float], ...]
+
+
+def parse_resources(text: str) -> Resources:
+    """``"tidekv_prefill=1,node_type_a=0.01"`` -> ``(("tidekv_prefill", 1.0), ...)``; "" is none."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, amount = part.partition("=")
+        try:
+            if not (name and sep) or float(amount) <= 0:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"resource {part!r}: expected NAME=AMOUNT with AMOUNT > 0") from None
+        out.append((name, float(amount)))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What each actor of a role asks Ray for; ``strategy`` spreads a pool group's bundles."""
+
+    num_cpus: float = 0.25
+    resources: Resources = ()
+    strategy: str = "PACK"
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"placement strategy {self.strategy!r} is not one of {STRATEGIES}")
+        if self.num_cpus < 0:
+            raise ValueError(f"num_cpus {self.num_cpus} < 0")
+
+    def bundle(self, num_gpus: int) -> dict[str, float]:
+        return {"CPU": self.num_cpus, **dict(self.resources), **({"GPU": float(num_gpus)} if num_gpus else {})}
+
+
+@dataclass(frozen=True)
+class RayClusterConfig:
+    """A Tidekv cluster on Ray: each role's frozen config, pool sizes, placement and restarts.
+    Worker configs with ``conductor=""`` find the Conductor through its actor."""
+
+    conductor: ConductorConfig = ConductorConfig()
+    prefill: PrefillConfig = PrefillConfig()
+    decode: DecodeConfig = DecodeConfig()
+    num_prefill: int = 1
+    num_decode: int = 1
+    namespace: str = NAMESPACE
+    conductor_placement: Placement = Placement(resources=(("tidekv_conductor", 1.0),))
+    prefill_placement: Placement = Placement(resources=(("tidekv_prefill", 1.0),), strategy="PACK")
+    decode_placement: Placement = Placement(resources=(("tidekv_decode", 1.0),), strategy="SPREAD")
+    max_restarts: int = 3  # per actor; -1: without limit
+    ready_timeout_s: float = 180.0
+    placement_timeout_s: float = 30.0
+    extra: dict[str, Any] = field(default_factory=dict, hash=False)  # more actor options (runtime_env, ...)
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 0 or self.num_decode < 0:
+            raise ValueError(f"num_prefill {self.num_prefill} and num_decode {self.num_decode} must be >= 0")
+
+    def role_config(self, role: str) -> Any:
+        return getattr(self, role)
+
+    def placement(self, role: str) -> Placement:
+        return getattr(self, f"{role}_placement")
+
+    def num_gpus(self, role: str) -> int:
+        return 1 if getattr(self.role_config(role), "device", "cpu").startswith("cuda") else 0
+
+
+@dataclass(frozen=True)
+class ActorReport:
+    name: str
+    role: str
+    node_id: str
+    node_ip: str
+    pid: int
+    address: str  # gRPC host:port
+    transfer_address: str  # "" for the Conductor
+    ready: bool
+
+
+def _placed(role: str, config: Any, node_ip: str, namespace: str) -> Any:
+    """``config`` for this node: bind and advertise the node's address (unless it names a bind
+    host), find the Conductor through its actor, keep the SSD tier under ``data_dir/<worker
+    id>``, use the GPU Ray assigned."""
+    changes: dict[str, Any] = {}
+    if config.host == "127.0.0.1":
+        changes["host"] = node_ip
+    if role != CONDUCTOR:
+        changes["advertise_host"] = config.advertise_host or node_ip
+        if not config.conductor:
+            conductor = ray.get_actor(CONDUCTOR, namespace=namespace)
+            changes["conductor"] = ray.get(conductor.address.remote(), timeout=60)
+        if getattr(config, "data_dir", ""):  # one SSD tier per worker, kept across its restarts
+            changes["data_dir"] = os.path.join(config.data_dir, config.worker_id)
+        if config.device.startswith("cuda"):
+            changes["device"] = "cuda"  # CUDA_VISIBLE_DEVICES holds the one GPU Ray gave this actor
+    return dataclasses.replace(config, **changes)
+
+
+class RoleActor:
+    """One role's service in a Ray actor process (see the module docstring). Thread-safe: the
+    actor runs with several threads so ``ready`` answers while ``drain`` blocks."""
+
+    def __init__(self, role: str, config: Any, namespace: str, cluster: RayClusterConfig | None = None):
+        setup_torch(getattr(config, "threads", 0) or 1)
+        self.role, self.cluster = role, cluster
+        self.node_ip = ray.util.get_node_ip_address()
+        self.config = _placed(role, config, self.node_ip, namespace)
+        self.service = importlib.import_module(BUILDERS[role]).build(self.config)
+        self.service.start()
+
+    def address(self) -> str:
+        """The service's advertised address; a Conductor bound to a wildcard is dialled at its node's."""
+        address = self.service.address
+        if self.role == CONDUCTOR and self.config.host in WILDCARDS:
+            address = f"{self.node_ip}:{address.rsplit(':', 1)[1]}"
+        return address
+
+    def ready(self) -> bool:
+        """Started and able to take what comes next: for the Conductor, registrations (its own
+        readiness waits for a live worker of each role, which register only after this)."""
+        if self.role == CONDUCTOR:
+            return bool(self.service.address)
+        return self.service.ready()
+
+    def report(self) -> ActorReport:
+        ctx = ray.get_runtime_context()
+        return ActorReport(ctx.get_actor_name() or "", self.role, ctx.get_node_id(), self.node_ip, os.getpid(),
+                           self.address(), getattr(self.service, "transfer_address", ""), self.service.ready())
+
+    def workers(self) -> list[str]:
+        """Worker ids the Conductor holds as registered and alive (the conductor actor only)."""
+        return [info.worker_id for info, _ in self.service.cluster.alive()]
+
+    def cluster_config(self) -> RayClusterConfig | None:
+        return self.cluster
+
+    def drain(self, timeout_s: float) -> None:
+        self.service.drain(timeout_s)
+
+    def stop(self) -> None:
+        self.service.stop()
+
+
+@functools.cache
+def _remote_role() -> Any:
+    return ray.remote(RoleActor)
+
+
+def connect(address: str = "auto", namespace: str = NAMESPACE, **init_kwargs: Any) -> None:
+    """Joins this process to the Ray cluster at ``address`` ("auto": the one this machine is in;
+    "local": a new one for the life of this process) in the cluster's namespace."""
+    ray.init(address=address, namespace=namespace, log_to_driver=False, **init_kwargs)
+
+
+class RayCluster:
+    """Starts, scales, reports and stops a Tidekv cluster on Ray; needs ``connect`` first."""
+
+    def __init__(self, config: RayClusterConfig = RayClusterConfig()):
+        self.config = config
+        self.ns = config.namespace
+        self.endpoint = ""
+
+    @classmethod
+    def attach(cls, namespace: str = NAMESPACE) -> RayCluster:
+        """The cluster already running in ``namespace`` (``ValueError`` when there is none)."""
+        try:
+            conductor = ray.get_actor(CONDUCTOR, namespace=namespace)
+        except ValueError:
+            raise ValueError(f"no Tidekv cluster in Ray namespace {namespace!r}: start one with "
+                             f"`tidekv up --ray`") from None
+        cluster = cls(ray.get(conductor.cluster_config.remote(), timeout=60))
+        cluster.endpoint = ray.get(conductor.address.remote(), timeout=60)
+        return cluster
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> RayCluster:
+        """Conductor first (its address is the workers'), then the pools; returns when every actor
+        is ready and registered. ``RuntimeError`` naming what did not come up (and all stopped)."""
+        c = self.config
+        if CONDUCTOR in self._names():
+            raise ValueError(f"a Tidekv cluster already runs in Ray namespace {self.ns!r}: "
+                             "`tidekv scale` it, or stop it first")
+        try:
+            handle = self._actor(CONDUCTOR, CONDUCTOR, c.conductor, None, None, cluster=c)
+            self._wait_ready({CONDUCTOR: handle}, registered=False)
+            self.endpoint = ray.get(handle.address.remote())
+            self.scale("prefill", c.num_prefill)
+            self.scale("decode", c.num_decode)
+        except BaseException:
+            self.stop(grace_s=0)
+            raise
+        return self
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """Drains front to back (the Conductor, so its in-flight requests finish on live workers;
+        then every worker), kills the actors and removes the placement groups."""
+        names = self._names()
+        if CONDUCTOR in names:
+            self._retire({CONDUCTOR: ray.get_actor(CONDUCTOR, namespace=self.ns)}, grace_s)
+        for role in POOLS:
+            self._retire(self._pool(role), grace_s)
+        for role in POOLS:
+            for pg in self._groups(role).values():
+                remove_placement_group(pg)
+
+    # ---- pools --------------------------------------------------------------------------------
+    def scale(self, role: str, count: int) -> None:
+        """Resizes a pool to ``count`` workers: new ones are ready and registered when this
+        returns; removed ones (newest first) have drained and left the Conductor's registry."""
+        if role not in POOLS or count < 0:
+            raise ValueError(f"scale {role!r} to {count}: role must be one of {POOLS}, count >= 0")
+        live = self._pool(role)
+        if count > len(live):
+            self._grow(role, count - len(live), live)
+        elif count < len(live):
+            victims = dict(sorted(live.items(), key=lambda kv: _slot(kv[0]), reverse=True)[: len(live) - count])
+            self._retire(victims, self.config.role_config(role).drain_timeout_s)
+            self._wait_registry(lambda ids: not set(victims) & ids, f"{sorted(victims)} leave the registry")
+            used = {_slot(n)[0] for n in self._pool(role)}
+            for k, pg in self._groups(role).items():
+                if k not in used:
+                    remove_placement_group(pg)
+
+    def _grow(self, role: str, num: int, live: dict[str, Any]) -> None:
+        groups = self._groups(role)
+        taken = {_slot(name) for name in live}
+        slots = [(k, i) for k, pg in sorted(groups.items()) for i in range(pg.bundle_count) if (k, i) not in taken]
+        slots = slots[:num]
+        if len(slots) < num:
+            k = max(groups, default=-1) + 1
+            groups[k] = self._new_group(role, k, num - len(slots))
+            slots += [(k, i) for i in range(num - len(slots))]
+        new = {f"{role}-{k}-{i}": self._actor(f"{role}-{k}-{i}", role, self.config.role_config(role),
+                                              groups[k], i) for k, i in slots}
+        self._wait_ready(new, registered=True)
+
+    def _new_group(self, role: str, k: int, num: int) -> PlacementGroup:
+        p = self.config.placement(role)
+        bundle = p.bundle(self.config.num_gpus(role))
+        pg = placement_group([bundle] * num, strategy=p.strategy, name=f"{self.ns}-{role}-g{k}", lifetime="detached")
+        try:
+            ray.get(pg.ready(), timeout=self.config.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(pg)
+            raise RuntimeError(
+                f"Ray cannot place {num} {role} bundle(s) {bundle} ({p.strategy}) within "
+                f"{self.config.placement_timeout_s:.0f} s; free now: {ray.available_resources()}. Give nodes the "
+                f"resources (`ray start --resources='{{\"tidekv_{role}\": 8}}'`) or change the role's placement"
+            ) from None
+        return pg
+
+    def _actor(self, name: str, role: str, config: Any, pg: PlacementGroup | None, bundle: int | None,
+               cluster: RayClusterConfig | None = None) -> Any:
+        c, p = self.config, self.config.placement(role)
+        options: dict[str, Any] = dict(
+            name=name, namespace=self.ns, lifetime="detached", max_restarts=c.max_restarts, max_task_retries=0,
+            max_concurrency=8, num_cpus=p.num_cpus, num_gpus=c.num_gpus(role), resources=dict(p.resources),
+            **c.extra)
+        if pg is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
+        if role != CONDUCTOR and not config.worker_id:
+            config = dataclasses.replace(config, worker_id=name)
+        return _remote_role().options(**options).remote(role, config, self.ns, cluster)
+
+    def _retire(self, actors: dict[str, Any], grace_s: float) -> None:
+        """Drain (in parallel), stop and kill ``actors``; one that is already gone is skipped."""
+        if not actors:
+            return
+        for refs in ([a.drain.remote(grace_s) for a in actors.values()], [a.stop.remote() for a in actors.values()]):
+            for ref in refs:  # one dead or stuck is ended by the kill below all the same
+                with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    ray.get(ref, timeout=grace_s + 30)
+        for a in actors.values():
+            ray.kill(a, no_restart=True)
+
+    # ---- state and readiness ------------------------------------------------------------------
+    def reports(self) -> list[ActorReport]:
+        """Where every actor runs and what it serves; an actor that does not answer is left out."""
+        actors = {CONDUCTOR: ray.get_actor(CONDUCTOR, namespace=self.ns)} if CONDUCTOR in self._names() else {}
+        for role in POOLS:
+            actors |= self._pool(role)
+        out = []
+        for actor in actors.values():
+            try:
+                out.append(ray.get(actor.report.remote(), timeout=10))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                continue
+        order = (CONDUCTOR, *POOLS)
+        return sorted(out, key=lambda r: (order.index(r.role), _slot(r.name) if r.role in POOLS else (0, 0)))
+
+    def registered(self) -> set[str]:
+        """Worker ids the Conductor holds as alive."""
+        return set(ray.get(ray.get_actor(CONDUCTOR, namespace=self.ns).workers.remote(), timeout=10))
+
+    def _wait_ready(self, actors: dict[str, Any], registered: bool) -> None:
+        until, pending, last_error = time.monotonic() + self.config.ready_timeout_s, dict(actors), ""
+        while pending:
+            for name, actor in list(pending.items()):
+                try:
+                    if ray.get(actor.ready.remote(), timeout=5):
+                        del pending[name]
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                    last_error = f"{name}: {e}"
+            if pending and time.monotonic() > until:
+                raise RuntimeError(f"not ready within {self.config.ready_timeout_s:.0f} s: {sorted(pending)} "
+                                   f"(last error: {last_error or 'none'})")
+            if pending:
+                time.sleep(0.5)
+        if registered:
+            self._wait_registry(lambda ids: set(actors) <= ids, f"{sorted(actors)} registered")
+
+    def _wait_registry(self, done, what: str) -> None:
+        until = time.monotonic() + self.config.ready_timeout_s
+        while not done(self.registered()):
+            if time.monotonic() > until:
+                raise RuntimeError(f"not within {self.config.ready_timeout_s:.0f} s: {what}")
+            time.sleep(0.25)
+
+    def _names(self) -> set[str]:
+        return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == self.ns}
+
+    def _pool(self, role: str) -> dict[str, Any]:
+        pattern = re.compile(rf"{role}-\d+-\d+")
+        return {n: ray.get_actor(n, namespace=self.ns) for n in self._names() if pattern.fullmatch(n)}
+
+    def _groups(self, role: str) -> dict[int, PlacementGroup]:
+        pattern = re.compile(rf"{re.escape(self.ns)}-{role}-g(\d+)")
+        out = {}
+        for info in ray.util.placement_group_table().values():
+            m = pattern.fullmatch(info.get("name", ""))
+            if m and info["state"] != "REMOVED":
+                out[int(m.group(1))] = PlacementGroup(ray.PlacementGroupID.from_hex(info["placement_group_id"]))
+        return out
+
+
+def format_reports(reports: list[ActorReport]) -> str:
+    """One line per actor: name, node, pid, addresses, readiness."""
+    return "\n".join(f"{r.name:<14} node {r.node_ip} ({r.node_id[:8]}) pid {r.pid:<7} grpc {r.address}"
+                     f"{' transfer ' + r.transfer_address if r.transfer_address else ''}"
+                     f"{'' if r.ready else ' NOT READY'}" for r in reports)
+
+
+def _slot(name: str) -> tuple[int, int]:
+    """``"prefill-2-1"`` -> ``(2, 1)``: group and bundle of a worker actor."""
+    _, k, i = name.rsplit("-", 2)
+    return int(k), int(i)

@@ -1,0 +1,77 @@
+"""The ``Service`` protocol every role implements, and the one wrapper that runs a service as a process.
+
+Each role (conductor, prefill, decode) is an object built from its frozen config
+(``conductor.server.build``, ``prefill_worker.server.build``, ``decode_worker.server.build``).
+A service installs no signal handlers, reads no environment variable and prints nothing, so it
+can be embedded: in a test process, in a Ray actor, or behind ``tidekv serve``. Its life:
+
+    build(config) --start()--> serving (ready() once registered) --drain(t)--> stopped --stop()--> closed
+
+``serve_until_signal`` is the process wrapper: start, block until SIGTERM/SIGINT, drain, stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class Service(Protocol):
+    """One role of a cluster, embeddable. Methods are thread-safe unless noted."""
+
+    role: str  # "conductor", "prefill" or "decode"
+
+    def start(self) -> None:
+        """Loads the model, binds and starts serving, and (a worker) starts registering with the
+        Conductor. Returns once the gRPC server accepts calls; registration goes on in the
+        background (see ``ready``). Call once; ``ValueError`` for a config the role refuses."""
+
+    @property
+    def address(self) -> str:
+        """The advertised ``host:port`` of the gRPC server (what other processes dial); ""
+        before ``start``."""
+
+    def ready(self) -> bool:
+        """True while the service can do its job: started, serving and not draining; a worker
+        also registered with the Conductor (a decode worker with its KV receiver listening)."""
+
+    def drain(self, timeout_s: float) -> None:
+        """Reports NOT_SERVING, refuses new work, lets the requests it holds finish (up to
+        ``timeout_s``), then stops the gRPC server, giving in-flight calls the same grace.
+        Blocks until done. The worker keeps heartbeating until ``stop``."""
+
+    def stop(self) -> None:
+        """Releases everything (server, threads, transfer listeners, files it made). Calls still
+        in flight are cancelled; call ``drain`` first for a graceful end. Idempotent."""
+
+
+def wait_for_signal(announce: str = "") -> None:
+    """Blocks the calling (main) thread until SIGTERM or SIGINT; installs the two handlers."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if announce:
+        print(announce, flush=True)
+    stop.wait()
+
+
+def serve_until_signal(service: Service, drain_timeout_s: float,
+                       on_started: Callable[[Service], None] | None = None) -> None:
+    """Runs ``service`` as this process's job: start, ``on_started`` (the "serving on" line),
+    block until SIGTERM/SIGINT, then drain (NOT_SERVING first, held requests finish, up to
+    ``drain_timeout_s``) and stop. The service is stopped whatever happens."""
+    try:
+        service.start()
+        if on_started is not None:
+            on_started(service)
+        wait_for_signal()
+        log.info("signal received: draining in-flight requests (up to %.0f s)", drain_timeout_s)
+        service.drain(drain_timeout_s)
+    finally:
+        service.stop()

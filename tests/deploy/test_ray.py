@@ -1,0 +1,208 @@
+"""Tidekv on a real local Ray cluster (``ray start --head`` on 127.0.0.1, token auth, stopped at the end).
+
+One lifecycle, step by step: 1 Conductor + 2 prefill + 1 decode actors come up and serve
+token-exact; a prefill actor killed with ``ray.kill(no_restart=False)`` is restarted by Ray,
+registers again and serves, while the cluster keeps serving on the others; a killed Conductor
+comes back on its port and every worker registers with it again; the decode pool is
+scaled to 2 by the ``tidekv scale`` command (a second Ray driver) and back to 1 by the API; the
+cluster stops; then the Ray cluster stops with no Ray or Tidekv process left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# Ray reads these when it is imported: they must be set first. They keep every Ray address on
+# loopback (no "localhost" resolved to this machine's network address), set token auth
+# explicitly with a token made for this run, and let the actors import this checkout.
+RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "token",
+    "RAY_AUTH_TOKEN": secrets.token_hex(16),
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+    "TIDEKV_TORCH_THREADS": "1",
+}
+_SAVED_ENV = {k: os.environ.get(k) for k in RAY_ENV}
+os.environ.update(RAY_ENV)
+ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'ray==2.60.0' (the test extras)")
+
+import engine  # noqa: E402
+from conductor.client import Client  # noqa: E402
+from conductor.config import ConductorConfig  # noqa: E402
+from decode_worker.config import DecodeConfig  # noqa: E402
+from deploy.local import free_port  # noqa: E402
+from deploy.ray_launcher import RayCluster, RayClusterConfig, connect  # noqa: E402
+from prefill_worker.config import PrefillConfig  # noqa: E402
+from tests.e2e.helpers import prompt, run_all  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)  # the lifecycle takes about a minute; a hang must not take ten
+NAMESPACE = "tidekv-test"
+BLOCK = 16
+HEAD_RESOURCES = {"tidekv_conductor": 1, "tidekv_prefill": 4, "tidekv_decode": 4}
+
+
+def _ours(temp_dir: str) -> list[str]:
+    """Command lines of live processes of this Ray cluster (its session dir is under temp_dir)
+    or of Tidekv actors."""
+    out = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if temp_dir in cmd or "RoleActor" in cmd:
+            out.append(f"{proc.name}: {cmd[:160]}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    temp_dir = tempfile.mkdtemp(prefix="tkray-", dir="/tmp")  # short: Ray's socket paths must fit
+    address = f"127.0.0.1:{free_port()}"
+    try:
+        subprocess.run([ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port",
+                        address.rsplit(":", 1)[1], "--num-cpus", "2", "--resources", json.dumps(HEAD_RESOURCES),
+                        "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", temp_dir],
+                       check=True, capture_output=True, timeout=120, cwd=ROOT)
+        connect(address, NAMESPACE)
+        yield address
+    finally:
+        ray.shutdown()
+        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=120)
+        status = subprocess.run([ray_bin, "status", "--address", address], capture_output=True, timeout=60)
+        for k, v in _SAVED_ENV.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        left = _ours(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert status.returncode != 0, "ray status still finds the cluster after ray stop"
+    assert not left, "processes left running:\n" + "\n".join(left)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return engine.load_model("tiny")
+
+
+def check_exact(endpoint: str, reference, salt: int, n: int = 4):
+    reqs, want = [], []
+    for i in range(n):
+        ids = prompt(20 + 23 * i, salt + i)
+        params = dict(temperature=0.7, seed=salt + i) if i % 2 else {}
+        reqs.append(Client.request(ids, max_tokens=6, **params))
+        want.append(engine.generate(reference, ids, 6, **params))
+    outs = run_all(endpoint, reqs, max_workers=4)
+    for out, w in zip(outs, want, strict=True):
+        assert out.num_terminal == 1 and out.finish_reason == "length", out.error
+        assert out.token_ids == w
+    return outs
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    until = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = predicate()
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            value = None
+        if value:
+            return value
+        assert time.monotonic() < until, f"not within {timeout_s:.0f} s: {what}"
+        time.sleep(0.25)
+
+
+ALL_WORKERS = {"prefill-0-0", "prefill-0-1", "decode-0-0"}
+
+
+def check_started(cluster: RayCluster, reference) -> dict:
+    reports = {r.name: r for r in cluster.reports()}
+    assert set(reports) == {"conductor", *ALL_WORKERS}
+    assert all(r.ready and r.node_ip == "127.0.0.1" and r.address.startswith("127.0.0.1:")
+               for r in reports.values()), reports
+    assert all(reports[n].transfer_address.startswith("tcp://127.0.0.1:") for n in ALL_WORKERS)
+    assert len({r.pid for r in reports.values()}) == 4 and os.getpid() not in {r.pid for r in reports.values()}
+    assert cluster.endpoint == reports["conductor"].address
+    outs = check_exact(cluster.endpoint, reference, salt=300)
+    assert {o.prefill_worker for o in outs} == {"prefill-0-0", "prefill-0-1"}
+    return reports
+
+
+def check_prefill_actor_restarts(cluster: RayCluster, reference, before, tmp_path) -> None:
+    """A prefill actor dies: the other one serves meanwhile; Ray restarts it; it registers and serves."""
+    ray.kill(ray.get_actor("prefill-0-1", namespace=NAMESPACE), no_restart=False)
+    check_exact(cluster.endpoint, reference, salt=400)
+    back = wait_until(lambda: next((r for r in cluster.reports() if r.name == "prefill-0-1"
+                                    and r.pid != before.pid and r.ready), None),
+                      120, "prefill-0-1 restarted and registered")
+    assert back.address != before.address  # a new process, a new port
+    assert (tmp_path / "prefill-0-1" / "ssd").is_dir()  # the same SSD tier, kept across the restart
+    assert "prefill-0-1" in cluster.registered()
+    outs = check_exact(cluster.endpoint, reference, salt=500)
+    assert {o.prefill_worker for o in outs} == {"prefill-0-0", "prefill-0-1"}
+
+
+def check_conductor_actor_restarts(cluster: RayCluster, reference, before) -> None:
+    """The Conductor dies: Ray restarts it on its port, and every worker registers with it again."""
+    ray.kill(ray.get_actor("conductor", namespace=NAMESPACE), no_restart=False)
+
+    def conductor_back() -> bool:
+        pids = {r.pid for r in cluster.reports() if r.name == "conductor"}
+        return bool(pids) and before.pid not in pids and cluster.registered() == ALL_WORKERS
+
+    wait_until(conductor_back, 120, "a new Conductor with every worker registered again")
+    check_exact(cluster.endpoint, reference, salt=550)
+
+
+def check_decode_scales(cluster: RayCluster, reference, ray_address: str) -> None:
+    """Decode to 2 from another driver (`tidekv scale`), then back to 1 through the API."""
+    scaled = subprocess.run([sys.executable, "-m", "deploy.cli", "scale", "--ray", ray_address, "--namespace",
+                             NAMESPACE, "--decode", "2"], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert scaled.returncode == 0, scaled.stderr[-3000:]
+    assert "decode-1-0" in scaled.stdout
+    assert {"decode-0-0", "decode-1-0"} <= cluster.registered()
+    outs = check_exact(cluster.endpoint, reference, salt=600)
+    assert {o.decode_worker for o in outs} == {"decode-0-0", "decode-1-0"}
+    cluster.scale("decode", 1)
+    assert cluster.registered() == ALL_WORKERS
+    assert not any(info["name"] == f"{NAMESPACE}-decode-g1" and info["state"] != "REMOVED"
+                   for info in ray.util.placement_group_table().values())
+    check_exact(cluster.endpoint, reference, salt=700)
+
+
+def test_ray_cluster_lifecycle(ray_head, reference, tmp_path):
+    config = RayClusterConfig(
+        conductor=ConductorConfig(port=free_port(), policy="round_robin", worker_ttl_s=2.0),
+        # A given data dir (one SSD tier per worker under it): a killed actor leaves nothing in /tmp.
+        prefill=PrefillConfig(block_size=BLOCK, num_pages=256, drain_timeout_s=10, data_dir=str(tmp_path)),
+        decode=DecodeConfig(block_size=BLOCK, num_pages=512, drain_timeout_s=10),
+        num_prefill=2, num_decode=1, namespace=NAMESPACE, ready_timeout_s=150,
+    )
+    cluster = RayCluster(config)
+    try:
+        cluster.start()
+        reports = check_started(cluster, reference)
+        check_prefill_actor_restarts(cluster, reference, reports["prefill-0-1"], tmp_path)
+        check_conductor_actor_restarts(cluster, reference, reports["conductor"])
+        check_decode_scales(cluster, reference, ray_head)
+    finally:
+        cluster.stop(grace_s=10)
+    named = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
+    assert not named, named
+    groups = [i["name"] for i in ray.util.placement_group_table().values()
+              if i["name"].startswith(NAMESPACE) and i["state"] != "REMOVED"]
+    assert not groups, groups
