@@ -1,8 +1,10 @@
 """Engine benchmark against transformers' KimiLinearForCausalLM (same config, same weights).
 
 Prints JSON: decode step time at batch 1 and 8 for contexts 512 and 2048, and prefill
-tokens/s for 2048 tokens, for both implementations, with ratios (ours / theirs).
-Usage: python -m bench.engine [--quick] [--threads N]
+tokens/s for 2048 and 8192 tokens, for both implementations, with ratios (ours / theirs) and
+their spread. ``prefill`` is the 2,048-token row; ``prefill_rows`` has every length. The two
+implementations alternate repeat by repeat, so load from other processes hits both alike.
+Usage: python -m bench.engine [--quick] [--threads N] [--prefill-only]
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import tempfile
 import torch
 
 import engine
-from bench.common import timed
+from bench.common import summary, timed
 from engine.checkpoint import save_checkpoint, seeded_tensors
 from engine.config import tiny_config
 
@@ -52,12 +54,23 @@ def _prefill(model, hf, n: int, repeats: int) -> dict:
         cache = model.new_cache(num_pages=n // 32 + 1, num_slots=1, block_size=32)
         model.prefill(cache, cache.try_reserve("p", n), ids)
 
-    o = timed(ours, repeats)
-    t = timed(lambda: hf(torch.tensor([ids]), logits_to_keep=1), repeats)
+    def theirs():
+        hf(torch.tensor([ids]), logits_to_keep=1)
+
+    ours(), theirs()  # warm-up
+    o_s, t_s = [], []
+    for _ in range(repeats):  # interleaved: a burst of outside load lands on both
+        o_s.append(timed(ours, 1, warmup=0)["median_s"])
+        t_s.append(timed(theirs, 1, warmup=0)["median_s"])
+    o, t = summary(o_s), summary(t_s)
+    pairs = sorted(b / a for a, b in zip(o_s, t_s, strict=True))
     return {
         "tokens": n,
         "ours_tok_s": n / o["median_s"], "transformers_tok_s": n / t["median_s"],
         "ours": o, "transformers": t, "speedup": t["median_s"] / o["median_s"],
+        "speedup_per_repeat": [round(p, 3) for p in pairs],
+        "ours_spread_pct": round(100 * (o["max_s"] - o["min_s"]) / o["median_s"], 1),
+        "transformers_spread_pct": round(100 * (t["max_s"] - t["min_s"]) / t["median_s"], 1),
     }
 
 
@@ -65,6 +78,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer repeats, smaller contexts")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
@@ -76,7 +90,7 @@ def main() -> None:
         model = engine.load_model(d)
         hf = KimiLinearForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     steps = 5 if args.quick else 20
-    contexts = (512,) if args.quick else (512, 2048)
+    contexts = () if args.prefill_only else (512,) if args.quick else (512, 2048)
     result: dict = {"config": cfg.name, "threads": args.threads, "decode": [], "prefill": None}
     with torch.inference_mode():
         for ctx in contexts:
@@ -90,7 +104,12 @@ def main() -> None:
                 })
                 print(f"decode ctx={ctx} batch={batch}: ours {o['median_s'] * 1e3:.1f} ms, "
                       f"transformers {t['median_s'] * 1e3:.1f} ms", file=sys.stderr)
-        result["prefill"] = _prefill(model, hf, 512 if args.quick else 2048, 2 if args.quick else 3)
+        lengths = (512,) if args.quick else (2048, 8192)
+        result["prefill_rows"] = [_prefill(model, hf, n, 2 if args.quick else (5 if n <= 2048 else 3)) for n in lengths]
+        result["prefill"] = result["prefill_rows"][0]
+        for row in result["prefill_rows"]:
+            print(f"prefill {row['tokens']}: ours {row['ours_tok_s']:.0f} tok/s, transformers "
+                  f"{row['transformers_tok_s']:.0f} tok/s, speedup {row['speedup']:.2f}", file=sys.stderr)
     print(json.dumps(result, indent=2))
 
 

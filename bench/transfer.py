@@ -1,14 +1,22 @@
 """Transfer engine throughput between two processes, per backend and chunk size, against a plain
-memory copy of the same bytes measured in the same run; Mooncake's TransferEngine over TCP is
-the peer baseline when ``mooncake-transfer-engine-non-cuda`` is installed. Prints one JSON
-object. Bounded to about two minutes on two cores.
+memory copy measured in the same run (before and after the backends): ``memcpy_numpy_copyto``
+copies between the same two buffers of the chunk size (the issue's baseline, cache-resident),
+``memcpy_streaming`` copies exactly the bytes a sample moves (distinct source and destination,
+in one process). Mooncake's TransferEngine over TCP is the peer baseline when
+``mooncake-transfer-engine-non-cuda`` is installed (set ``MC_TCP_BIND_ADDRESS=127.0.0.1``).
+Prints one JSON object whose ``goals`` section holds the issue's rows (shm 16 MiB / memcpy,
+shm 64 KiB / shm 16 MiB, tcp 16 MiB / Mooncake) with the ratio's median and extremes.
+Bounded to a few minutes on two cores.
 
-What one sample measures: the sender (this process) pushes ``--mib-per-repeat`` MiB as BLOB
-chunks of one size to a receiver child and calls ``finish``; the clock stops when the receiver's
-verdict arrives, i.e. every chunk was checksummed on both sides and copied into the receiver's
-destination tensor. GB/s are 1e9 bytes per second.
+What one sample measures: the sender (this process) pushes ``--mib-per-repeat`` MiB of one
+MLA layer's rows (1 KiB each, a decode worker's destination: a paged pool of 64-row pages, as a
+``PagePoolSink``) in chunks of one size to a receiver child and calls ``finish``; the clock
+stops when the receiver's verdict arrives, i.e. every chunk was checksummed on both sides and
+is in the receiver's pages. Backends: ``shm`` (the pool in shareable memory: the sender writes
+into it directly, one copy), ``shm-ring`` (a private pool: through the ring, two copies),
+``tcp``, ``ucx``. GB/s are 1e9 bytes per second.
 
-    python -m bench.transfer [--repeats 5] [--mib-per-repeat 64] [--backends shm,tcp,ucx]
+    python -m bench.transfer [--repeats 7] [--mib-per-repeat 64] [--backends shm,shm-ring,tcp,ucx]
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ SIZES_BYTES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
 MOONCAKE_SIZES = ("1MiB", "16MiB")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHILD_TIMEOUT_S = 120.0
+ROW_FLOATS = 256  # 1 KiB rows of float32
+PAGE_ROWS = 64  # 64 KiB pages
 
 
 def summarize(gbps: list[float]) -> dict:
@@ -49,35 +59,36 @@ def bench_config():
     return TransferConfig(deadline_s=CHILD_TIMEOUT_S, max_frame_bytes=16 << 20, max_inflight_bytes=64 << 20)
 
 
-def plan(repeats: int, total_bytes: int) -> list[tuple[str, int, int]]:
-    """Requests a receiver must expect: (request id, number of blobs, blob bytes)."""
-    requests = [("warmup", 8, 1 << 20)]
+def plan(repeats: int, total_bytes: int) -> list[tuple[str, int]]:
+    """Requests a receiver must expect: (request id, chunk bytes); each carries total_bytes."""
+    requests = [("warmup", 1 << 20)]
     for name, size in SIZES_BYTES.items():
-        requests += [(f"{name}-{r}", total_bytes // size, size) for r in range(repeats)]
+        requests += [(f"{name}-{r}", size) for r in range(repeats)]
     return requests
 
 
 # ---- child processes --------------------------------------------------------------------------
 
 
-def child_receive(backend: str, requests: list[tuple[str, int, int]]) -> None:
-    """Receiver child: expects every planned request into one destination buffer.
+def child_receive(backend: str, total_bytes: int, requests: list[tuple[str, int]]) -> None:
+    """Receiver child: expects every planned request into one paged pool (pages in order, as a
+    fresh decode worker allocates them); shareable memory except for ``shm-ring``."""
+    import torch
 
-    The sink copies with numpy (one plain memcpy, like the baseline): torch's ``copy_`` fans out
-    to OpenMP threads whose spin-waits swing wildly on a loaded two-core machine."""
-    from kvstore.transfer import Expected, Receiver
+    from engine.memory import shareable_zeros
+    from kvstore.transfer import Expected, PagePoolSink, Receiver
 
-    destination = np.empty(max(size for _, _, size in requests), dtype=np.uint8)
-
-    class CopySink:
-        def write(self, kind, layer, token_start, token_end, tensor) -> None:
-            np.copyto(destination[: tensor.numel()], tensor.numpy())
-
-    receiver = Receiver(bench_config(), backends=backend)
-    for rid, num_blobs, size in requests:
-        receiver.expect(rid, CopySink(), Expected(num_blobs=num_blobs, max_blob_bytes=size))
+    torch.set_num_threads(1)  # the tcp sink's index_copy_ must not fan out to spinning OpenMP threads
+    num_tokens = total_bytes // (ROW_FLOATS * 4)
+    shape = (1, num_tokens // PAGE_ROWS, PAGE_ROWS, ROW_FLOATS)
+    pool = torch.zeros(shape) if backend == "shm-ring" else shareable_zeros(shape, torch.float32)
+    sink = PagePoolSink(pool, torch.arange(shape[1]), {0: 0})
+    expected = Expected(mla_layers=(0,), token_start=0, token_end=num_tokens, mla_row_shape=(ROW_FLOATS,))
+    receiver = Receiver(bench_config(), backends=backend.removesuffix("-ring"))
+    for rid, _ in requests:
+        receiver.expect(rid, sink, expected)
     print(json.dumps({"address": receiver.address}), flush=True)
-    for rid, _, _ in requests:
+    for rid, _ in requests:
         receiver.wait_complete(rid)
     receiver.close()
 
@@ -165,9 +176,10 @@ class Child:
 
 
 def memcpy_gbps(size: int, total_bytes: int, repeats: int) -> list[float]:
-    """``numpy.copyto`` of ``total_bytes`` in ``size`` pieces, like the receiver's sink."""
+    """``numpy.copyto`` of ``total_bytes`` in ``size`` pieces between the same two ``size``
+    buffers (the issue's baseline; both stay in cache, so at 16 MiB it is an upper bound)."""
     src = np.ones(size, dtype=np.uint8)
-    dst = np.empty(size, dtype=np.uint8)
+    dst = np.ones(size, dtype=np.uint8)
     count = total_bytes // size
     samples = []
     for _ in range(repeats):
@@ -178,13 +190,35 @@ def memcpy_gbps(size: int, total_bytes: int, repeats: int) -> list[float]:
     return samples
 
 
-def send_request(tx, rid: str, num_blobs: int, chunk: np.ndarray) -> float:
+def streaming_memcpy_gbps(size: int, total_bytes: int, repeats: int) -> list[float]:
+    """``numpy.copyto`` of the bytes one transfer sample moves: ``total_bytes`` of distinct
+    source into distinct destination, in ``size`` pieces, in one process."""
+    src = np.ones(total_bytes, dtype=np.uint8)
+    dst = np.ones(total_bytes, dtype=np.uint8)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for offset in range(0, total_bytes, size):
+            np.copyto(dst[offset : offset + size], src[offset : offset + size])
+        samples.append(total_bytes / (time.perf_counter() - start) / 1e9)
+    return samples
+
+
+def memcpy_baselines(total_bytes: int, repeats: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    return (
+        {name: memcpy_gbps(size, total_bytes, repeats) for name, size in SIZES_BYTES.items()},
+        {name: streaming_memcpy_gbps(size, total_bytes, repeats) for name, size in SIZES_BYTES.items()},
+    )
+
+
+def send_request(tx, rid: str, rows: np.ndarray, chunk_bytes: int) -> float:
     from kvstore.transfer import Kind
 
+    step = chunk_bytes // (ROW_FLOATS * 4)
     start = time.perf_counter()
-    for index in range(num_blobs):
-        tx.send(rid, index, Kind.BLOB, (0, 0), chunk)
-    tx.finish(rid, num_blobs)
+    for t0 in range(0, len(rows), step):
+        tx.send(rid, 0, Kind.MLA_ROWS, (t0, t0 + step), rows[t0 : t0 + step])
+    tx.finish(rid, 1)
     return time.perf_counter() - start
 
 
@@ -192,15 +226,15 @@ def bench_backend(backend: str, repeats: int, total_bytes: int) -> dict:
     from kvstore.transfer import connect
 
     requests = plan(repeats, total_bytes)
-    child = Child("--child-receive", backend, json.dumps(requests))
+    child = Child("--child-receive", backend, str(total_bytes), json.dumps(requests))
     try:
         tx = connect(child.report()["address"], bench_config())
-        source = np.ones(max(size for _, _, size in requests), dtype=np.uint8)
+        rows = np.ones((total_bytes // (ROW_FLOATS * 4), ROW_FLOATS), dtype=np.float32)
         samples: dict[str, list[float]] = {}
-        for rid, num_blobs, size in requests:
-            elapsed_s = send_request(tx, rid, num_blobs, source[:size])
+        for rid, size in requests:
+            elapsed_s = send_request(tx, rid, rows, size)
             if rid != "warmup":
-                samples.setdefault(rid.rsplit("-", 1)[0], []).append(num_blobs * size / elapsed_s / 1e9)
+                samples.setdefault(rid.rsplit("-", 1)[0], []).append(total_bytes / elapsed_s / 1e9)
         tx.close()
     finally:
         child.finish()
@@ -232,16 +266,37 @@ def with_ratios(results: dict, memcpy: dict) -> dict:
     return results
 
 
+def _ratio(numerator: dict, denominator: dict, goal: float) -> dict:
+    if "median_gbps" not in numerator or "median_gbps" not in denominator:
+        return {"skipped": "a side of the ratio was not measured"}
+    ratio = numerator["median_gbps"] / denominator["median_gbps"]
+    # Spread of the ratio from the extremes of both sides (worst and best pairing).
+    low, high = numerator["min_gbps"] / denominator["max_gbps"], numerator["max_gbps"] / denominator["min_gbps"]
+    return {"ratio": round(ratio, 3), "ratio_min": round(low, 3), "ratio_max": round(high, 3), "goal": goal,
+            "met": ratio >= goal}
+
+
+def goals(report: dict) -> dict:
+    """The issue's rows, medians side by side from this run."""
+    shm, tcp = report["backends"].get("shm", {}), report["backends"].get("tcp", {})
+    return {
+        "shm_16MiB_vs_memcpy": _ratio(shm.get("16MiB", {}), report["memcpy_numpy_copyto"]["16MiB"], 0.7),
+        "shm_16MiB_vs_streaming_memcpy": _ratio(shm.get("16MiB", {}), report["memcpy_streaming"]["16MiB"], 0.7),
+        "shm_64KiB_vs_shm_16MiB": _ratio(shm.get("64KiB", {}), shm.get("16MiB", {}), 0.5),
+        "tcp_16MiB_vs_mooncake_tcp": _ratio(tcp.get("16MiB", {}), report["mooncake"].get("16MiB", {}), 1.5),
+    }
+
+
 def run(args: argparse.Namespace) -> dict:
     from kvstore.transfer import ucx_unavailable_reason
     from kvstore.transfer.frames import default_checksum_algo
 
     total_bytes = args.mib_per_repeat << 20
-    memcpy = {name: summarize(memcpy_gbps(size, total_bytes, args.repeats)) for name, size in SIZES_BYTES.items()}
+    # The baselines are sampled before and after the backends, so drifting load hits both sides.
+    hot, streaming = memcpy_baselines(total_bytes, (args.repeats + 1) // 2)
     report: dict = {
         "bytes_per_sample": total_bytes,
         "checksum": default_checksum_algo().name.lower(),
-        "memcpy_numpy_copyto": memcpy,
         "backends": {},
     }
     for backend in args.backends.split(","):
@@ -249,21 +304,29 @@ def run(args: argparse.Namespace) -> dict:
         if reason is not None:
             report["backends"][backend] = {"skipped": reason}
             continue
-        report["backends"][backend] = with_ratios(bench_backend(backend, args.repeats, total_bytes), memcpy)
-    report["mooncake"] = with_ratios(bench_mooncake(args.repeats, total_bytes), memcpy)
+        report["backends"][backend] = bench_backend(backend, args.repeats, total_bytes)
+    report["mooncake"] = bench_mooncake(args.repeats, total_bytes)
+    hot_after, streaming_after = memcpy_baselines(total_bytes, (args.repeats + 1) // 2)
+    memcpy = {name: summarize(hot[name] + hot_after[name]) for name in SIZES_BYTES}
+    report["memcpy_numpy_copyto"] = memcpy
+    report["memcpy_streaming"] = {name: summarize(streaming[name] + streaming_after[name]) for name in SIZES_BYTES}
+    for name in report["backends"]:
+        with_ratios(report["backends"][name], memcpy)
+    with_ratios(report["mooncake"], memcpy)
+    report["goals"] = goals(report)
     return report
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--mib-per-repeat", type=int, default=64)
-    parser.add_argument("--backends", default="shm,tcp,ucx")
-    parser.add_argument("--child-receive", nargs=2, metavar=("BACKEND", "PLAN"), help=argparse.SUPPRESS)
+    parser.add_argument("--backends", default="shm,shm-ring,tcp,ucx")
+    parser.add_argument("--child-receive", nargs=3, metavar=("BACKEND", "BYTES", "PLAN"), help=argparse.SUPPRESS)
     parser.add_argument("--child-mooncake", nargs=2, metavar=("ROLE", "ARG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_receive:
-        child_receive(args.child_receive[0], json.loads(args.child_receive[1]))
+        child_receive(args.child_receive[0], int(args.child_receive[1]), json.loads(args.child_receive[2]))
     elif args.child_mooncake:
         child_mooncake(*args.child_mooncake)
     else:

@@ -12,6 +12,9 @@ Layout::
 
     token t of a request lives at kv[:, pages[t // block_size], t % block_size]
 
+On CPU all three live in shareable memory (``engine.memory``), so a same-host transfer can write
+received KV straight into a request's pages and state slot.
+
 Not thread-safe: one owner (the engine loop of a worker) calls it.
 """
 
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import ModelConfig
+from engine.memory import shareable_zeros
 
 
 class PagePool:
@@ -31,7 +35,7 @@ class PagePool:
         if num_pages <= 0 or block_size <= 0:
             raise ValueError(f"num_pages={num_pages} and block_size={block_size} must be positive")
         self.block_size = block_size
-        self.kv = torch.zeros(len(cfg.mla_layer_ids), num_pages, block_size, cfg.latent_dim, dtype=dtype, device=device)
+        self.kv = shareable_zeros((len(cfg.mla_layer_ids), num_pages, block_size, cfg.latent_dim), dtype, device)
         self._free = list(range(num_pages - 1, -1, -1))
         self._used: set[int] = set()
 
@@ -73,9 +77,8 @@ class StateSlots:
     def __init__(self, cfg: ModelConfig, num_slots: int, device: str):
         n_kda = len(cfg.kda_layer_ids)
         h, d = cfg.kda_num_heads, cfg.kda_head_dim
-        self.state = torch.zeros(n_kda, num_slots, h, d, d, dtype=torch.float32, device=device)
-        self.conv = torch.zeros(n_kda, num_slots, cfg.conv_window_len, cfg.conv_channels,
-                                dtype=torch.float32, device=device)
+        self.state = shareable_zeros((n_kda, num_slots, h, d, d), torch.float32, device)
+        self.conv = shareable_zeros((n_kda, num_slots, cfg.conv_window_len, cfg.conv_channels), torch.float32, device)
         self._free = list(range(num_slots - 1, -1, -1))
         self._used: set[int] = set()
 

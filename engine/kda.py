@@ -20,6 +20,15 @@ import torch.nn.functional as F
 from engine.config import ModelConfig
 
 DEFAULT_CHUNK_TOKENS = 64
+# On CPU a chunk of 16 runs the delta rule about five times faster than 64 at 256 tokens: the
+# pairwise decays cost C*D per token and are memory-bound there, while the extra sequential
+# state steps (one per chunk) are cheap. Accelerators prefer fewer, larger chunks.
+CPU_CHUNK_TOKENS = 16
+
+
+def chunk_tokens_for(device: str | torch.device) -> int:
+    """The delta-rule chunk size for ``device``."""
+    return CPU_CHUNK_TOKENS if torch.device(device).type == "cpu" else DEFAULT_CHUNK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -156,12 +165,14 @@ def chunked_delta_rule(
     beta = beta.view(n, c, h).permute(2, 0, 1)
     G = g.cumsum(2)
     causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    # decay[h, n, t, s, d] = exp(G_t - G_s) for s <= t, 0 above the diagonal.
-    diff = (G.unsqueeze(3) - G.unsqueeze(2)).masked_fill(~causal[..., None], float("-inf"))
-    decay = diff.exp_()
-    a_mat = torch.einsum("hntd,hnsd,hntsd->hnts", k, k, decay).tril(-1) * beta.unsqueeze(-1)
-    m_mat = torch.einsum("hntd,hnsd,hntsd->hnts", q, k, decay)
-    del decay, diff
+    # decayed[h, n, t, s, d] = exp(G_t - G_s) k_s for s <= t, 0 above the diagonal; then A and
+    # M come out of one batched matmul against [k_t | q_t] (no einsum permute copies).
+    decayed = (G.unsqueeze(3) - G.unsqueeze(2)).masked_fill_(~causal[..., None], float("-inf"))
+    decayed = decayed.exp_().mul_(k.unsqueeze(2))
+    both = torch.matmul(torch.stack([k, q], 3), decayed.transpose(-1, -2))  # [H, N, C, 2, C]
+    del decayed
+    a_mat = both[..., 0, :].tril(-1) * beta.unsqueeze(-1)
+    m_mat = both[..., 1, :]
     eye = torch.eye(c, device=q.device, dtype=q.dtype)
     lower = eye + a_mat
     b_v = v * beta.unsqueeze(-1)

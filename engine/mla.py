@@ -2,8 +2,9 @@
 
 Owns the MLA math: the query projection, the compressed latent (``kv_a_proj_with_mqa`` then
 ``kv_a_layernorm`` on its first ``kv_lora_rank`` values), prefill attention over expanded keys
-and values, and a decode path that attends in the latent space: ``kv_b_proj`` is absorbed into
-the query and the output, so a step reads the cache once and never re-expands it.
+and values (each token expanded once per prefill call: ``ExpandedPrefix``), and a decode path
+that attends in the latent space: ``kv_b_proj`` is absorbed into the query and the output, so
+a step reads the cache once and never re-expands it.
 
 Cached row per token (``latent_dim = kv_lora_rank + qk_rope_head_dim``)::
 
@@ -67,21 +68,30 @@ class MLALayer:
         q = F.linear(x, self.w.w_q).view(x.shape[0], self.heads, self.nope + self.rope)
         return q[..., : self.nope], q[..., self.nope:]
 
-    def prefill(self, x: torch.Tensor, past: torch.Tensor, new_rows: torch.Tensor) -> torch.Tensor:
-        """Attention of T new tokens x [T, hidden] over past rows [P, L] and their own rows [T, L]."""
-        t_len, p_len = x.shape[0], past.shape[0]
-        q_nope, q_r = self._queries(x)
-        rows = torch.cat([past, new_rows], 0)  # [P+T, L]
+    def expand(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [H, N, nope+rope] and values [H, N, v] of cache rows [N, L] (kv_b_proj applied)."""
         c, k_r = rows.split([self.rank, self.rope], -1)
         kv = F.linear(c, self.w.w_kv_b).view(-1, self.heads, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], -1)
         k = torch.cat([k_nope, k_r.unsqueeze(1).expand(-1, self.heads, -1)], -1)
-        q = torch.cat([q_nope, q_r], -1)
-        # Token i of the chunk (absolute position P+i) sees keys [0, P+i].
-        mask = torch.ones(t_len, p_len + t_len, dtype=torch.bool, device=x.device).tril(p_len)
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=self.scale
-        )
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def prefill(self, x: torch.Tensor, prefix: ExpandedPrefix, new_rows: torch.Tensor) -> torch.Tensor:
+        """Attention of T new tokens x [T, hidden] over the expanded prefix and their own rows
+        [T, L]; appends the new rows' keys and values to ``prefix``."""
+        t_len = x.shape[0]
+        p_len = prefix.num_tokens
+        q_nope, q_r = self._queries(x)
+        k, v = prefix.append(*self.expand(new_rows))  # [H, P+T, D]
+        q = torch.cat([q_nope, q_r], -1).transpose(0, 1)  # [H, T, D]
+        # Token i of the chunk (absolute position P+i) sees keys [0, P+i]: only the chunk's own
+        # block of the scores needs a mask. Written out rather than SDPA with a mask, which on
+        # CPU materialises the mask per head and runs slower:
+        #   scores [H, T, P+T] = | past: all visible | own [T, T]: causal |
+        scores = torch.bmm(q, k.transpose(1, 2)).mul_(self.scale).float()
+        future = torch.ones(t_len, t_len, dtype=torch.bool, device=x.device).triu_(1)
+        scores[..., p_len:].masked_fill_(future, float("-inf"))
+        o = torch.bmm(torch.softmax(scores, -1).to(v.dtype), v)  # [H, T, v]
         return F.linear(o.transpose(0, 1).reshape(t_len, -1), self.w.w_o)
 
     def decode(self, x: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -100,3 +110,30 @@ class MLALayer:
         ctx = torch.bmm(attn, rows[..., : self.rank])  # [B, H, r]
         o = torch.einsum("bhr,hvr->bhv", ctx, self.w_uv)
         return F.linear(o.reshape(b, -1), self.w.w_o)
+
+
+class ExpandedPrefix:
+    """One MLA layer's expanded keys and values for the tokens of a prefill so far, so each
+    chunk expands only its own rows (re-expanding the whole prefix per chunk is quadratic).
+
+    Buffers hold ``capacity`` tokens, head-major so the attention reads contiguous slices::
+
+        keys   [H, capacity, nope+rope]    values [H, capacity, v]     filled: [:, :num_tokens]
+
+    Lives for one ``HybridModel.prefill`` call; not thread-safe.
+    """
+
+    def __init__(self, layer: MLALayer, capacity: int, dtype: torch.dtype, device: torch.device | str):
+        self.keys = torch.empty(layer.heads, capacity, layer.nope + layer.rope, dtype=dtype, device=device)
+        self.values = torch.empty(layer.heads, capacity, layer.v_dim, dtype=dtype, device=device)
+        self.num_tokens = 0
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add keys [H, N, Dk] and values [H, N, Dv]; returns views of everything so far."""
+        end = self.num_tokens + keys.shape[1]
+        if end > self.keys.shape[1]:
+            raise ValueError(f"{end} tokens exceed the prefix capacity {self.keys.shape[1]}")
+        self.keys[:, self.num_tokens : end] = keys
+        self.values[:, self.num_tokens : end] = values
+        self.num_tokens = end
+        return self.keys[:, :end], self.values[:, :end]

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from engine.cache import CacheManager, SequenceCache
 from engine.config import ModelConfig
-from engine.kda import KDALayer, KDAWeights
-from engine.mla import MLALayer, MLAWeights
+from engine.kda import KDALayer, KDAWeights, chunk_tokens_for
+from engine.mla import ExpandedPrefix, MLALayer, MLAWeights
 from engine.moe import MLPWeights, MoE, MoEWeights
 
 LayerHook = Callable[[int, int, int], None]
@@ -68,7 +68,7 @@ class HybridModel:
             attn: KDALayer | MLALayer = MLALayer(cfg, MLAWeights.from_tensors(t, p + "self_attn."))
             index = cfg.mla_layer_ids.index(i)
         else:
-            attn = KDALayer(cfg, KDAWeights.from_tensors(t, p + "self_attn."))
+            attn = KDALayer(cfg, KDAWeights.from_tensors(t, p + "self_attn."), chunk_tokens_for(self.device))
             index = cfg.kda_layer_ids.index(i)
         if cfg.is_moe(i):
             ffn: MLPWeights | MoE = MoE(cfg, MoEWeights.from_tensors(t, p + "block_sparse_moe.", cfg.num_experts))
@@ -100,16 +100,29 @@ class HybridModel:
             raise ValueError(f"request {seq.request_id}: {end} tokens need more than its {len(seq.pages)} pages")
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device)
         outs = []
+        prefixes = self._expanded_prefixes(cache, seq, end)
         for lo, hi in _chunks(start, end, chunk_tokens or self.prefill_chunk_tokens, snapshot_at):
-            hidden = self._prefill_chunk(cache, seq, ids[lo - start : hi - start], lo, on_layer)
+            hidden = self._prefill_chunk(cache, seq, ids[lo - start : hi - start], lo, on_layer, prefixes)
             seq.num_tokens = hi
             if hi in snapshot_at:
                 seq.snapshots[hi] = (cache.slots.state[:, seq.slot].clone(), cache.slots.conv[:, seq.slot].clone())
             outs.append(hidden if all_logits else hidden[-1:])
         return self.logits(torch.cat(outs) if all_logits else outs[-1])
 
+    def _expanded_prefixes(self, cache: CacheManager, seq: SequenceCache, end: int) -> dict[int, ExpandedPrefix]:
+        """Per MLA layer, the expanded keys/values of the tokens already cached (a reused prefix
+        or earlier calls), with room up to ``end``; the chunks of this call append to them."""
+        prefixes = {}
+        for blk in self.blocks:
+            if blk.is_mla:
+                prefix = ExpandedPrefix(blk.attn, end, self.dtype, self.device)
+                if seq.num_tokens:
+                    prefix.append(*blk.attn.expand(cache.rows(seq, blk.cache_index, 0, seq.num_tokens)))
+                prefixes[blk.layer_id] = prefix
+        return prefixes
+
     def _prefill_chunk(self, cache: CacheManager, seq: SequenceCache, ids: torch.Tensor, start: int,
-                       on_layer: LayerHook | None) -> torch.Tensor:
+                       on_layer: LayerHook | None, prefixes: dict[int, ExpandedPrefix]) -> torch.Tensor:
         x = F.embedding(ids, self.embed)
         end = start + ids.shape[0]
         eps = self.cfg.rms_norm_eps
@@ -117,8 +130,7 @@ class HybridModel:
             h = rms_norm(x, blk.in_norm, eps)
             if blk.is_mla:
                 rows = blk.attn.latents(h)
-                past = cache.rows(seq, blk.cache_index, 0, start)
-                out = blk.attn.prefill(h, past, rows)
+                out = blk.attn.prefill(h, prefixes[blk.layer_id], rows)
                 cache.write_rows(seq, blk.cache_index, start, rows)
             else:
                 k, s = blk.cache_index, seq.slot

@@ -35,11 +35,14 @@ class TransferConfig:
     ``deadline_s`` bounds every wait: a request not complete ``deadline_s`` after ``expect``
     fails on the receiver; ``send`` blocked by backpressure and ``finish`` waiting for the
     receiver fail after ``deadline_s``. ``max_inflight_bytes`` bounds body bytes a sender has
-    handed over but the receiver has not yet consumed.
+    handed over but the receiver has not yet consumed. ``fence_timeout_s`` bounds how long
+    ``wait_complete``/``cancel`` of a failed request written directly over shm wait for the
+    sender to confirm it stopped writing (see ``stream``).
     """
 
     deadline_s: float = 30.0
     connect_timeout_s: float = 5.0
+    fence_timeout_s: float = 2.0  # how long a failed shm request waits for its sender to stop writing
     max_inflight_bytes: int = 128 * MIB
     max_frame_bytes: int = 32 * MIB
     bind_host: str = "127.0.0.1"
@@ -122,6 +125,19 @@ class Sink(Protocol):
     """
 
     def write(self, kind: Kind, layer: int, token_start: int, token_end: int, tensor: Any) -> None: ...
+
+
+class DirectSink(Sink, Protocol):
+    """A sink whose destination lies in shareable memory (optional extension of ``Sink``).
+
+    ``placement`` returns a ``placement.LocalPlacement`` (or None: not shareable). A same-host
+    (shm) sender then writes chunks straight into that memory; the receiver verifies each one
+    there (checksum over the destination, shape and range against ``Expected``) before counting
+    it, and ``write`` is not called for them. Until the request completes, its destination holds
+    unverified bytes: nothing may read it before ``wait_complete`` returns, as for any sink.
+    """
+
+    def placement(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -208,7 +224,15 @@ class Frame:
 class SendLink(Protocol):
     """Sender end of one connection; all methods run on the I/O loop."""
 
-    async def send_data(self, header: FrameHeader, body: memoryview) -> None: ...
+    coalesces: bool  # send_data accepts a body of several parts (coalesced chunks)
+
+    async def send_data(self, header: FrameHeader, parts: Sequence[memoryview], corrupt: bool = False) -> None:
+        """Checksum and send one data frame whose body is ``parts`` in order (``corrupt``:
+        test-only, damage it after checksumming)."""
+
+    async def flush(self) -> None:
+        """Write out frames the link batches; called whenever the sender's queue runs dry."""
+
     async def send_control(self, header: FrameHeader, payload: bytes) -> None: ...
     async def send_truncated(self, header: FrameHeader, body: memoryview) -> None: ...
     async def shutdown(self, timeout_s: float) -> None: ...
@@ -218,7 +242,12 @@ class SendLink(Protocol):
 
 
 class RecvLink(Protocol):
-    """Receiver end of one connection; all methods run on the I/O loop."""
+    """Receiver end of one connection; all methods run on the I/O loop. ``supports_placement``:
+    the peer can write into a ``DirectSink``'s memory (shm); ``closed_by_peer``: the stream
+    ended from the peer's side (EOF, reset, death), not by our close."""
+
+    supports_placement: bool
+    closed_by_peer: bool
 
     async def next_frame(self) -> Frame | LinkClosed: ...
     async def read_body(self, frame: Frame) -> memoryview: ...

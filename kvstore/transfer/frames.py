@@ -3,7 +3,9 @@ body checksums. Pure functions and frozen values; no I/O, no threads, no torch i
 
 Every frame is one 160-byte header, optionally followed by ``body_bytes`` of body on the same
 stream (``FLAG_INLINE_BODY``); otherwise the body travels out of band (shm ring, UCX tag) and
-``aux`` tells the backend where. All integers are little-endian::
+``aux`` tells the backend where, or it was written straight into the receiver's destination
+(``FLAG_DIRECT``, see ``placement``), where the receiver verifies it. All integers are
+little-endian::
 
     offset size  field
        0    4    magic            b"TKV1"
@@ -13,14 +15,14 @@ stream (``FLAG_INLINE_BODY``); otherwise the body travels out of band (shm ring,
        8    1    ndim             0..MAX_NDIM; shape[ndim:] is zero
        9    1    checksum_algo    ChecksumAlgo of body_checksum
       10    1    request_id_len   bytes of request_id used (utf-8)
-      11    1    flags            FLAG_INLINE_BODY
+      11    1    flags            FLAG_INLINE_BODY, FLAG_DIRECT
       12    4    layer            model layer index; blob index for BLOB; layer count for END
       16    8    seq              per-connection sequence number (ACK: every data frame up to it)
       24    8    token_start      first token of the chunk
       32    8    token_end        one past the last token
       40   32    shape            4 x i64 element shape of the body
       72    8    body_bytes       body length
-      80    8    aux              shm ring offset of the body
+      80    8    aux              shm ring offset of the body (not FLAG_DIRECT)
       88    4    body_checksum    checksum of the body bytes
       92   64    request_id       utf-8, zero padded
      156    4    header_crc       zlib.crc32 of bytes [0, 156)
@@ -32,7 +34,7 @@ import enum
 import math
 import struct
 import zlib
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 try:  # hardware CRC32C (SSE4.2), ~5x faster than zlib.crc32; optional
     import crc32c as _crc32c
@@ -40,10 +42,11 @@ except ImportError:  # pragma: no cover - depends on the environment
     _crc32c = None
 
 MAGIC = b"TKV1"
-FRAME_VERSION = 1
+FRAME_VERSION = 2
 MAX_NDIM = 4
 REQUEST_ID_MAX_BYTES = 64
 FLAG_INLINE_BODY = 0x01
+FLAG_DIRECT = 0x02  # the body is already in the receiver's destination (shm direct placement)
 
 _BODY_FMT = "<4sHBBBBBBiQqq4qQQI64s"
 _HEADER_STRUCT = struct.Struct(_BODY_FMT + "I")
@@ -66,13 +69,20 @@ class Kind(enum.IntEnum):
     END = 16  # sender finished the request; layer = number of layers it pushed
     ABORT = 17  # sender gave up on the request; body = utf-8 reason
     HELLO = 18  # connection handshake; body = backend-specific bytes
+    OPEN = 19  # sender asks where the request's chunks may be written directly (shm); answered by PLACE
+    REVOKED = 20  # sender will write nothing more into the request's placement (answers an ERROR)
     ACK = 32  # receiver consumed every data frame up to `seq` (cumulative)
     ERROR = 33  # receiver failed the request; body = utf-8 reason
     DONE = 34  # receiver holds the complete request
+    PLACE = 35  # answer to OPEN; body = packed placement.Placement, or empty for "use the ring"
 
     @property
     def is_data(self) -> bool:
-        return self in (Kind.MLA_ROWS, Kind.KDA_STATE, Kind.KDA_CONV, Kind.BLOB)
+        return self in DATA_KINDS
+
+
+DATA_KINDS = frozenset({Kind.MLA_ROWS, Kind.KDA_STATE, Kind.KDA_CONV, Kind.BLOB})
+_KIND_OF = {k.value: k for k in Kind}
 
 
 class DType(enum.IntEnum):
@@ -94,12 +104,21 @@ class DType(enum.IntEnum):
 
     @classmethod
     def from_name(cls, name: object) -> DType:
-        """``DType`` of a dtype given as a name, a numpy dtype or a torch dtype."""
+        """``DType`` of a dtype given as a name, a numpy dtype or a torch dtype (cached: every
+        frame a sender builds asks)."""
+        found = _BY_NAME.get(name)
+        if found is not None:
+            return found
         text = str(name).removeprefix("torch.")
         try:
-            return cls[text.upper()]
+            found = cls[text.upper()]
         except KeyError:
             raise ValueError(f"unsupported dtype {name!r}; supported: {[d.name.lower() for d in cls]}") from None
+        _BY_NAME[name] = found
+        return found
+
+
+_BY_NAME: dict[object, DType] = {}  # dtype objects and names seen by DType.from_name
 
 
 _ITEMSIZE = {
@@ -120,23 +139,33 @@ class ChecksumAlgo(enum.IntEnum):
     CRC32C = 2  # crc32c package (hardware accelerated)
 
 
+_DTYPE_OF = {d.value: d for d in DType}
+_ALGO_OF = {a.value: a for a in ChecksumAlgo}
+
+
 def default_checksum_algo() -> ChecksumAlgo:
     """CRC32C when the ``crc32c`` package is importable, else zlib's CRC32."""
     return ChecksumAlgo.CRC32C if _crc32c is not None else ChecksumAlgo.CRC32
 
 
-def checksum(algo: ChecksumAlgo, body: memoryview) -> int:
-    """Checksum of ``body`` (a 1-D byte view); both algorithms release the GIL on large inputs."""
+def checksum(algo: ChecksumAlgo, body, value: int = 0, hold_gil: bool = False) -> int:
+    """Checksum of ``body`` (a contiguous byte buffer), continuing from ``value`` (the checksum of
+    the bytes before it), so a body can be checksummed piece by piece as it is copied. Both
+    algorithms release the GIL on large inputs unless ``hold_gil`` (crc32c only: for a small
+    body, handing the GIL to another thread and back costs more than the checksum)."""
     if algo == ChecksumAlgo.CRC32C:
         if _crc32c is None:
             raise FrameError("frame uses crc32c but the crc32c package is not installed here")
-        return _crc32c.crc32c(body)
-    return zlib.crc32(body)
+        return _crc32c.crc32c(body, value, 0 if hold_gil else -1)
+    return zlib.crc32(body, value)
 
 
-@dataclass(frozen=True)
-class FrameHeader:
-    """One frame's header; see the module docstring for the byte layout."""
+class FrameHeader(NamedTuple):
+    """One frame's header; see the module docstring for the byte layout.
+
+    An immutable NamedTuple rather than a frozen dataclass: every frame builds, copies
+    (``_replace``) and parses one, and a tuple does that several times faster.
+    """
 
     kind: Kind
     request_id: str
@@ -145,7 +174,7 @@ class FrameHeader:
     token_start: int = 0
     token_end: int = 0
     dtype: DType = DType.UINT8
-    shape: tuple[int, ...] = field(default=())
+    shape: tuple[int, ...] = ()
     body_bytes: int = 0
     aux: int = 0
     body_checksum: int = 0
@@ -229,25 +258,28 @@ def unpack_header(buf: bytes | bytearray | memoryview) -> FrameHeader:
         raise FrameError(f"header checksum mismatch: header says {header_crc:#010x}, computed {actual_crc:#010x}")
     if ndim > MAX_NDIM or rid_len > REQUEST_ID_MAX_BYTES:
         raise FrameError(f"header has ndim {ndim} / request id length {rid_len} beyond limits")
+    # Enum members by value through dicts: Enum.__call__ costs more than the rest of a parse.
     try:
         header = FrameHeader(
-            kind=Kind(kind),
-            request_id=rid[:rid_len].decode(),
-            seq=seq,
-            layer=layer,
-            token_start=t0,
-            token_end=t1,
-            dtype=DType(dtype),
-            shape=(s0, s1, s2, s3)[:ndim],
-            body_bytes=body_bytes,
-            aux=aux,
-            body_checksum=body_crc,
-            checksum_algo=ChecksumAlgo(algo),
-            flags=flags,
+            _KIND_OF[kind],
+            rid[:rid_len].decode(),
+            seq,
+            layer,
+            t0,
+            t1,
+            _DTYPE_OF[dtype],
+            (s0, s1, s2, s3)[:ndim],
+            body_bytes,
+            aux,
+            body_crc,
+            _ALGO_OF[algo],
+            flags,
         )
-    except (ValueError, UnicodeDecodeError) as exc:
+    except KeyError as exc:
+        raise FrameError(f"invalid header field: unknown code {exc}") from exc
+    except UnicodeDecodeError as exc:
         raise FrameError(f"invalid header field: {exc}") from exc
-    if header.kind.is_data:
+    if header.kind in DATA_KINDS:
         expected_bytes = math.prod(header.shape) * header.dtype.itemsize
         if expected_bytes != body_bytes:
             raise FrameError(

@@ -1,5 +1,6 @@
 """Receiver: accepts sender connections on one or more backends, verifies every chunk and
-writes it into the destination of the request it belongs to.
+writes it into the destination of the request it belongs to, or, for a chunk a same-host (shm)
+sender wrote straight into the destination (``base.DirectSink``), verifies it there.
 
 Threads: all connection handling, checksum verification and ``sink.write`` calls run on the
 I/O thread (``ioloop.IoThread``), one connection's frames strictly in order. Caller threads
@@ -13,12 +14,25 @@ Any later failure of a request (checksum, misfit, sink rejection, deadline, canc
 sent back as an ERROR on its connection. Frames are acknowledged (cumulatively) only after the
 sink has copied them, so the sender's ``max_inflight_bytes`` also bounds what waits here.
 
+Direct chunks (FLAG_DIRECT): an OPEN from an shm peer is answered with the request's placement
+(PLACE) and binds the request to that connection. Each direct chunk is admitted like any other
+(expected request and connection, layer, token range, shape, dtype; never trusting offsets from
+the sender: the receiver's own placement says where the chunk lies) and counted only once the
+checksum of the destination bytes matches its header. A chunk that fails any check fails the
+request; the request's memory holds unverified bytes until then and garbage after, and is never
+served: ``wait_complete`` raises, and returns (as ``cancel`` does) only when the sender has
+confirmed it writes no more (REVOKED, END, ABORT, or it is gone; see ``stream``).
+
 The I/O thread is shared by every sender and receiver of the process (unless one is given), so
 a slow ``sink.write`` delays them all: sinks should copy and return.
+
+Metrics (``kvstore.transfer.metrics``, the process context): frames and bytes read per
+backend, checksum failures, aborts received.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -36,8 +50,10 @@ from kvstore.transfer.base import (
     TransferError,
     TransferResult,
 )
-from kvstore.transfer.frames import FrameError, FrameHeader, Kind, checksum, control_header
+from kvstore.transfer.direct import checksum_of
+from kvstore.transfer.frames import FLAG_DIRECT, FrameError, FrameHeader, Kind, checksum, control_header
 from kvstore.transfer.ioloop import IoThread
+from kvstore.transfer.metrics import ProcessLink, process_link
 from kvstore.transfer.registry import get_backend
 from kvstore.transfer.stream import RequestTable
 
@@ -66,16 +82,19 @@ class Receiver:
     ):
         self.config = config or TransferConfig()
         self._io = io or IoThread.shared()
-        self._table = RequestTable(clock, on_fail=self._on_request_failed)
+        self._table = RequestTable(clock, on_fail=self._on_request_failed, fence_timeout_s=self.config.fence_timeout_s)
         self._links: dict[int, RecvLink] = {}  # I/O thread only
+        self._link_metrics: dict[int, ProcessLink] = {}  # I/O thread only
         self._conn_ids = itertools.count(1)
         self.frames_received = 0
         self.bytes_received = 0
         self.frames_rejected = 0
+        self.frames_direct = 0  # data frames the peer wrote straight into the destination (shm)
         schemes = [backends] if isinstance(backends, str) else list(backends)
         self._listeners = {
             scheme: self._io.run(
-                get_backend(scheme).listen(self.config, self._serve_link), self.config.connect_timeout_s
+                get_backend(scheme).listen(self.config, functools.partial(self._serve_link, scheme)),
+                self.config.connect_timeout_s,
             )
             for scheme in schemes
         }
@@ -154,9 +173,10 @@ class Receiver:
             payload = reason.encode()[:MAX_REASON_BYTES]
             link.reply(control_header(Kind.ERROR, request_id, payload=payload), payload)
 
-    async def _serve_link(self, link: RecvLink) -> None:
+    async def _serve_link(self, scheme: str, link: RecvLink) -> None:
         conn_id = next(self._conn_ids)
         self._links[conn_id] = link
+        self._link_metrics[conn_id] = process_link(scheme, "recv")
         told: set[str] = set()
         try:
             await self._serve_frames(link, conn_id, told)
@@ -165,26 +185,31 @@ class Receiver:
             self._table.fail_connection(conn_id, "receiver error on its connection (see receiver log)")
         finally:
             self._links.pop(conn_id, None)
+            self._link_metrics.pop(conn_id, None)
             link.close()
 
     async def _serve_frames(self, link: RecvLink, conn_id: int, told: set[str]) -> None:
         while True:
             item = await link.next_frame()
             if isinstance(item, LinkClosed):
-                self._on_closed(conn_id, item.reason, item.partial)
+                self._on_closed(conn_id, item.reason, item.partial, by_peer=link.closed_by_peer)
                 return
             try:
                 await self._on_frame(link, conn_id, item, told)
             except (ConnectionError, FrameError, TransferError) as exc:
-                self._on_closed(conn_id, str(exc), item.header)
+                self._on_closed(conn_id, str(exc), item.header, by_peer=False)
                 return
             finally:
                 link.release(item)
 
-    def _on_closed(self, conn_id: int, reason: str, partial: FrameHeader | None) -> None:
+    def _on_closed(self, conn_id: int, reason: str, partial: FrameHeader | None, by_peer: bool) -> None:
+        """Fail the connection's requests; their placements are fenced only if the peer ended the
+        stream (it writes nothing more). When we close it, they wait out ``fence_timeout_s``."""
         if partial is not None:
             self._table.fail(partial.request_id, f"request {partial.request_id!r}: {reason}")
         failed = self._table.fail_connection(conn_id, f"peer connection lost: {reason}")
+        if by_peer:
+            self._table.fence_connection(conn_id)
         if failed:
             logger.warning("transfer connection %d lost (%s); failed requests %s", conn_id, reason, failed)
 
@@ -200,31 +225,51 @@ class Receiver:
                 self._reject(link, header, reason, told)
         elif header.kind == Kind.ABORT:
             text = bytes(await link.read_body(frame)).decode(errors="replace")
+            self._link_metrics[conn_id].aborted()
             self._table.fail(header.request_id, f"request {header.request_id!r} aborted by the sender: {text}")
+            self._table.fence(header.request_id, conn_id)  # nothing is written after an ABORT
+        elif header.kind == Kind.OPEN:
+            self._on_open(link, conn_id, header.request_id)
+        elif header.kind == Kind.REVOKED:
+            self._table.fence(header.request_id, conn_id)
         else:
             raise FrameError(f"unexpected {header.describe()} from a sender")
+
+    def _on_open(self, link: RecvLink, conn_id: int, request_id: str) -> None:
+        """Answer OPEN with the request's placement (PLACE), or an empty PLACE: use the ring."""
+        sink = self._table.open(request_id, conn_id) if link.supports_placement else None
+        place = getattr(sink, "placement", None)
+        local = place() if place is not None else None
+        payload = b""
+        if local is not None and self._table.placed(request_id, conn_id, local):
+            payload = local.placement.pack()
+        link.reply(control_header(Kind.PLACE, request_id, payload=payload), payload)
 
     async def _on_data(self, link: RecvLink, conn_id: int, frame: Frame, told: set[str]) -> None:
         header = frame.header
         body = await link.read_body(frame)  # always consume the body, even to drop it
         self.frames_received += 1
         self.bytes_received += header.body_bytes
-        sink, reason = self._table.admit(header, conn_id)
-        if sink is not None:
-            reason = self._deliver(sink, body, header)
+        metrics = self._link_metrics[conn_id]
+        metrics.frame(header.body_bytes)
+        if header.flags & FLAG_DIRECT:
+            self.frames_direct += 1
+            reason = self._verify_in_place(header, conn_id, metrics)
+        else:
+            sink, reason = self._table.admit(header, conn_id)
+            if sink is not None:
+                reason = self._deliver(sink, body, header, metrics)
         if reason is not None:
             self.frames_rejected += 1
             self._reject(link, header, reason, told)
         link.ack(header.seq)
 
-    def _deliver(self, sink: Sink, body: memoryview, header: FrameHeader) -> str | None:
+    def _deliver(self, sink: Sink, body: memoryview, header: FrameHeader, metrics: ProcessLink) -> str | None:
         """Verify the body and hand it to the sink; returns why it failed, or None."""
         actual = checksum(header.checksum_algo, body)
         if actual != header.body_checksum:
-            reason = (
-                f"checksum mismatch in {header.describe()}: header says {header.body_checksum:#010x}, "
-                f"body hashes to {actual:#010x} ({header.checksum_algo.name.lower()}); corrupted in transit"
-            )
+            metrics.checksum_failure()
+            reason = _mismatch(header, actual)
         else:
             try:
                 sink.write(header.kind, header.layer, header.token_start, header.token_end, as_tensor(body, header))
@@ -236,6 +281,25 @@ class Receiver:
         self._table.fail(header.request_id, reason)
         return reason
 
+    def _verify_in_place(self, header: FrameHeader, conn_id: int, metrics: ProcessLink) -> str | None:
+        """Check a chunk the peer wrote into the destination: the receiver's own placement says
+        where it lies; its checksum there must match. Returns why it failed, or None."""
+        local, reason = self._table.admit_direct(header, conn_id)
+        if local is None:
+            return reason  # nothing of a misfit or failed request is read (its memory may be reused)
+        segments = local.placement.segments(header.kind, header.layer, header.token_start, header.token_end)
+        if segments is None or sum(n for _, _, n in segments) != header.body_bytes:
+            reason = f"rejected {header.describe()}: written directly, but the placement has no such destination"
+        else:
+            actual = checksum_of(header.checksum_algo, local.views_of(segments))
+            if actual == header.body_checksum:
+                self._table.record(header)
+                return None
+            metrics.checksum_failure()
+            reason = _mismatch(header, actual) + " (written directly into the destination)"
+        self._table.fail(header.request_id, reason)
+        return reason
+
     def _reject(self, link: RecvLink, header: FrameHeader, reason: str, told: set[str]) -> None:
         if header.request_id in told:
             return
@@ -243,3 +307,10 @@ class Receiver:
         logger.warning("transfer rejected: %s", reason)
         payload = reason.encode()[:MAX_REASON_BYTES]
         link.reply(control_header(Kind.ERROR, header.request_id, payload=payload), payload)
+
+
+def _mismatch(header: FrameHeader, actual: int) -> str:
+    return (
+        f"checksum mismatch in {header.describe()}: header says {header.body_checksum:#010x}, "
+        f"body hashes to {actual:#010x} ({header.checksum_algo.name.lower()}); corrupted in transit"
+    )

@@ -2,8 +2,9 @@
 
 Threads: ``send``/``finish``/``abort``/``close`` are called from caller threads (a prefill
 loop); they take ``self._cond`` (a ``threading.Condition``) only to account bytes and hand
-the frame to the I/O thread, which checksums it and writes it zero-copy from the tensor's
-memory. Another I/O-thread task reads the receiver's replies (ACK / ERROR / DONE).
+the frame to the I/O thread, whose link checksums it and writes it zero-copy from the tensor's
+memory (tcp, ucx) or copies it once into the receiver's memory (shm). Another I/O-thread task
+reads the receiver's replies (ACK / ERROR / DONE).
 
 Backpressure: ``send`` blocks while the body bytes handed over but not yet acknowledged by the
 receiver (``inflight_bytes``) plus the new frame would exceed ``config.max_inflight_bytes``;
@@ -13,6 +14,9 @@ with ``TransferError`` after ``config.deadline_s``.
 Ownership: the sender keeps a reference to the tensor and reads its memory from the I/O thread
 until the frame is written; do not modify it in place before ``flush`` or ``finish`` returns.
 Every request ends with ``finish`` or ``abort`` (also after a TransferError), which forgets it.
+
+Metrics (``kvstore.transfer.metrics``, the process context): frames and bytes written,
+the seconds from a request's first frame to its verdict, aborts.
 """
 
 from __future__ import annotations
@@ -22,10 +26,8 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from kvstore.transfer.base import (
     Address,
@@ -38,39 +40,16 @@ from kvstore.transfer.base import (
 )
 from kvstore.transfer.frames import (
     MAX_NDIM,
-    REQUEST_ID_MAX_BYTES,
-    DType,
     FrameHeader,
     Kind,
-    checksum,
     control_header,
 )
 from kvstore.transfer.ioloop import IoThread
+from kvstore.transfer.metrics import process_link
+from kvstore.transfer.outgoing import Outgoing, as_body, checked_id, coalesce
 from kvstore.transfer.registry import get_backend
 
 logger = logging.getLogger(__name__)
-
-
-def as_body(tensor: Any) -> tuple[memoryview, DType, tuple[int, ...]]:
-    """A flat byte view of a contiguous CPU tensor, numpy array or bytes-like; no copy."""
-    if isinstance(tensor, bytes | bytearray | memoryview):
-        view = memoryview(tensor).cast("B")
-        return view, DType.UINT8, (view.nbytes,)
-    if not isinstance(tensor, np.ndarray):  # a torch.Tensor: torch is already imported by its owner
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            raise ValueError(
-                f"tensor must be contiguous on cpu, got {tensor.device} contiguous={tensor.is_contiguous()}"
-            )
-        dtype = DType.from_name(tensor.dtype)
-        import torch
-
-        carrier = tensor.detach().view(torch.int16) if dtype == DType.BFLOAT16 else tensor.detach()
-        array, shape = carrier.numpy(), tuple(tensor.shape)
-    else:
-        if not tensor.flags.c_contiguous:
-            raise ValueError("numpy array must be C-contiguous")
-        array, shape, dtype = tensor, tuple(tensor.shape), DType.from_name(tensor.dtype.name)
-    return memoryview(array.reshape(-1).view(np.uint8)), dtype, shape
 
 
 class _InjectedTruncation(ConnectionError):
@@ -83,16 +62,7 @@ class _OutRequest:
 
     error: str | None = None
     done: bool = False
-
-
-@dataclass(slots=True)
-class _Outgoing:
-    """A queued frame; ``seq`` is set under ``Sender._cond`` just before it is queued."""
-
-    header: FrameHeader  # without seq and body checksum
-    body: memoryview | None = None  # data frames
-    payload: bytes | None = None  # control frames
-    seq: int = 0
+    started: float = field(default_factory=time.monotonic)
 
 
 def connect(
@@ -129,7 +99,13 @@ class Sender:
         self._bytes_sent = 0
         self._next_seq = 1
         self._failure: str | None = None
-        self._queue: asyncio.Queue[_Outgoing | None] = asyncio.Queue()
+        # Frames handed to the writer, in seq order (None: close). Caller threads append under
+        # _cond; the writer is woken (one call into the loop) only when it waits for work, so a
+        # burst of small frames costs one wakeup, not one per frame.
+        self._outbox: collections.deque[Outgoing | None] = collections.deque()
+        self._writer_waiting = False  # guarded by _cond
+        self._wakeup = asyncio.Event()  # I/O thread only
+        self._metrics = process_link(address, "send")
         self._writer = io.submit(self._write_loop())
         self._reader = io.submit(self._read_loop())
 
@@ -165,7 +141,7 @@ class Sender:
             raise ValueError(f"tensor has {len(shape)} dims, frames carry at most {MAX_NDIM}")
         header = FrameHeader(
             kind=kind,
-            request_id=_checked_id(request_id),
+            request_id=checked_id(request_id),
             layer=layer,
             token_start=token_start,
             token_end=token_end,
@@ -174,15 +150,15 @@ class Sender:
             body_bytes=body.nbytes,
             checksum_algo=self.config.checksum,
         )
-        self._enqueue(_Outgoing(header, body=body), body.nbytes)
+        self._enqueue(Outgoing(header, parts=(body,)), body.nbytes)
 
     def finish(self, request_id: str, num_layers: int, timeout_s: float | None = None) -> None:
         """Tell the receiver the request is complete (``num_layers`` layers + blobs pushed) and
         wait for its verdict; TransferError if it found the transfer incomplete or corrupt."""
-        header = control_header(Kind.END, _checked_id(request_id), layer=num_layers)
+        header = control_header(Kind.END, checked_id(request_id), layer=num_layers)
         until = time.monotonic() + (self.config.deadline_s if timeout_s is None else timeout_s)
         try:
-            self._enqueue(_Outgoing(header, payload=b""), 0)
+            self._enqueue(Outgoing(header, payload=b""), 0)
             with self._cond:
                 request = self._requests[request_id]
                 while not request.done:
@@ -192,6 +168,7 @@ class Sender:
                             f"request {request_id!r}: no verdict from {self.address} within the deadline",
                             request_id,
                         )
+                self._metrics.transferred(time.monotonic() - request.started)
         finally:
             with self._cond:
                 self._requests.pop(request_id, None)
@@ -222,8 +199,9 @@ class Sender:
             if self._failure is not None:
                 self._requests.pop(request_id, None)
                 return
-        header = control_header(Kind.ABORT, _checked_id(request_id), payload=payload)
-        self._enqueue(_Outgoing(header, payload=payload), 0)
+        header = control_header(Kind.ABORT, checked_id(request_id), payload=payload)
+        self._metrics.aborted()
+        self._enqueue(Outgoing(header, payload=payload), 0)
         with self._cond:
             self._requests.pop(request_id, None)
 
@@ -232,7 +210,8 @@ class Sender:
         requests not yet finished fail. Idempotent; waits at most about ``2 * timeout_s``."""
         if self._io.in_thread():
             raise RuntimeError("Sender.close blocks; call it from a worker thread, not the I/O thread")
-        self._io.call_soon(self._queue.put_nowait, None)
+        with self._cond:
+            self._hand_over(None)
         try:
             self._writer.result(timeout_s)
         except TimeoutError:
@@ -253,7 +232,7 @@ class Sender:
                 self._backpressure_waits,
             )
 
-    def _enqueue(self, item: _Outgoing, nbytes: int) -> None:
+    def _enqueue(self, item: Outgoing, nbytes: int) -> None:
         if self._io.in_thread():
             raise RuntimeError("Sender calls block; call them from a worker thread, not the I/O thread")
         rid = item.header.request_id
@@ -280,7 +259,14 @@ class Sender:
                 self._inflight_bytes += nbytes
                 self._high_water_bytes = max(self._high_water_bytes, self._inflight_bytes)
             item.seq = seq
-            self._io.call_soon(self._queue.put_nowait, item)
+            self._hand_over(item)
+
+    def _hand_over(self, item: Outgoing | None) -> None:
+        """Queue ``item`` for the writer (``_cond`` held), waking it if it waits."""
+        self._outbox.append(item)
+        if self._writer_waiting:
+            self._writer_waiting = False
+            self._io.call_soon(self._wakeup.set)
 
     def _raise_if_failed(self, request: _OutRequest, request_id: str) -> None:
         if request.error is not None:
@@ -298,9 +284,10 @@ class Sender:
 
     async def _write_loop(self) -> None:
         try:
-            while (item := await self._queue.get()) is not None:
+            while (item := await self._next_item()) is not None:
                 if self._failure is None:
                     await self._write_one(item)
+            await self._link.flush()
         except _InjectedTruncation as exc:
             self._fail_all(str(exc))  # the link stays half-open so the receiver reads the partial frame
         except (ConnectionError, OSError, TransferError) as exc:
@@ -311,20 +298,35 @@ class Sender:
             self._fail_all(f"sender to {self.address} crashed (see log)")
             self._link.close()
 
-    async def _write_one(self, item: _Outgoing) -> None:
-        if item.body is None:
-            await self._link.send_control(replace(item.header, seq=item.seq), item.payload or b"")
+    async def _next_item(self) -> Outgoing | None:
+        """The next queued frame; while none is queued, flush the link and wait for one."""
+        while True:
+            with self._cond:
+                if self._outbox:
+                    return self._coalesce(self._outbox.popleft())
+                self._writer_waiting = True
+                self._wakeup.clear()
+            await self._link.flush()  # links may batch small frames until the queue runs dry
+            await self._wakeup.wait()
+
+    def _coalesce(self, item: Outgoing | None) -> Outgoing | None:
+        """``item`` merged with the queued frames that continue its rows (``_cond`` held)."""
+        if item is None or not self._link.coalesces:
+            return item
+        faulty = (self._faults.corrupt_seq, self._faults.truncate_seq)
+        return coalesce(item, self._outbox, self.config.max_frame_bytes, faulty)
+
+    async def _write_one(self, item: Outgoing) -> None:
+        if item.parts is None:
+            await self._link.send_control(item.header._replace(seq=item.seq), item.payload or b"")
             return
-        body = item.body
-        header = replace(item.header, seq=item.seq, body_checksum=checksum(item.header.checksum_algo, body))
+        header = item.header._replace(seq=item.seq)
         if header.seq == self._faults.truncate_seq:
-            await self._link.send_truncated(header, body)
+            await self._link.send_truncated(header, item.parts[0])
             raise _InjectedTruncation(f"fault injection: truncated frame seq {header.seq}")
-        if header.seq == self._faults.corrupt_seq:
-            corrupted = bytearray(body)
-            corrupted[len(corrupted) // 2] ^= 0xFF
-            body = memoryview(corrupted)
-        await self._link.send_data(header, body)
+        # The link checksums the body (the shm link while copying it into the destination).
+        await self._link.send_data(header, item.parts, header.seq == self._faults.corrupt_seq)
+        self._metrics.frame(header.body_bytes)
         with self._cond:
             self._frames_sent += 1
             self._bytes_sent += header.body_bytes
@@ -357,9 +359,3 @@ class Sender:
             elif header.kind not in (Kind.ACK, Kind.ERROR, Kind.DONE):
                 logger.warning("unexpected reply %s from %s", header.describe(), self.address)
             self._cond.notify_all()
-
-
-def _checked_id(request_id: str) -> str:
-    if not request_id or len(request_id.encode()) > REQUEST_ID_MAX_BYTES:
-        raise ValueError(f"request id must be 1..{REQUEST_ID_MAX_BYTES} utf-8 bytes, got {request_id!r}")
-    return request_id

@@ -1,18 +1,29 @@
-"""Shared-memory backend (same host): headers over a unix socket, bodies through a ring in
-shared memory, one copy each way.
+"""Shared-memory backend (same host): headers over a unix socket; each body copied once, either
+straight into the receiver's destination (direct placement) or through a ring.
 
-Per sender connection the sender creates a ring file in /dev/shm (``config.shm_ring_bytes``),
-announces it in a HELLO frame, and the receiver maps it and unlinks the name at once, so a
-killed process leaks nothing once the handshake is done. The sender copies each body into a
-ring slot (``aux`` = offset) and sends the header; the receiver verifies the checksum on the
-ring bytes, its sink copies them into the destination, and its ACK frees the slot. Slots are
-freed in sequence order, so the ring is a FIFO::
+Direct placement, when the receiver's sink lives in shareable memory (``base.DirectSink``): the
+first time a request appears on a connection the sender asks for its placement (OPEN), the
+receiver answers with the byte ranges of its pages and state tensors (PLACE, ``placement``),
+and from then on the sender copies each body into those ranges, checksumming every block as
+it copies it (``direct``), and sends a FLAG_DIRECT header. The receiver checksums the bytes in
+place before it counts the chunk; a failure fails the request, whose memory is not reused
+until the sender has confirmed (REVOKED, in answer to the ERROR) that it writes no more.
+Headers of small frames are batched into one write per ``FLUSH_BYTES`` of bodies.
+
+The ring (no placement: private destination memory, a blob, another user's peer): per
+connection the sender creates a ring file in /dev/shm (``config.shm_ring_bytes``), announces
+it in HELLO, and the receiver maps it and unlinks the name at once, so a killed process leaks
+nothing once the handshake is done. The sender copies each body into a ring slot (``aux`` =
+offset); the receiver verifies it there and its sink copies it out (two copies); its ACK frees
+the slot. Slots are freed in sequence order, so the ring is a FIFO::
 
     0                tail (oldest unacked)        head (next free)                 size
     |  free (wraps)  |###### in flight ###########|     free                       |
 
 The listener binds an abstract unix socket ``\\0tidekv-NAME`` (address ``shm://NAME``): no
-file to clean up, local to the host's network namespace. Runs on the I/O loop only.
+file to clean up, local to the host's network namespace. It admits only peers running as its
+own user (``SO_PEERCRED``), who could read and write its memory through /proc anyway. Runs on
+the I/O loop only.
 """
 
 from __future__ import annotations
@@ -20,23 +31,32 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import mmap
 import os
 import secrets
 import socket
 import struct
-from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
 from kvstore.transfer.base import Address, Frame, LinkClosed, RecvLink, TransferConfig, TransferError
-from kvstore.transfer.frames import HEADER_BYTES, FrameError, FrameHeader, Kind, control_header
+from kvstore.transfer.direct import PeerRegions, copy_with_checksum
+from kvstore.transfer.frames import FLAG_DIRECT, HEADER_BYTES, FrameError, FrameHeader, Kind, control_header
+from kvstore.transfer.placement import Placement
 from kvstore.transfer.tcp import StreamListener, serve_factory
-from kvstore.transfer.wire import FrameConnection, StreamRecvLink, StreamSendLink
+from kvstore.transfer.wire import FrameConnection, StreamRecvLink, StreamSendLink, seal
+
+logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 _HELLO = struct.Struct("<Q")  # ring size; followed by the ring file name
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+FLUSH_BYTES = 1 << 20  # batch headers until this many body bytes (or FLUSH_FRAMES frames) wait
+FLUSH_FRAMES = 64
+MAX_PLACEMENTS = 4096
+_UNASKED = object()
 
 
 def _socket_path(name: str) -> str:
@@ -77,6 +97,14 @@ class ShmRing:
             return 0 if nbytes < tail else None
         return self._head if self._head + nbytes < tail else None
 
+    def try_alloc(self, seq: int, nbytes: int) -> int | None:
+        """Offset of a free slot of ``nbytes``, or None while the ring is too full."""
+        offset = self._try_place(nbytes)
+        if offset is not None:
+            self._slots.append((seq, offset, nbytes))
+            self._head = offset + nbytes
+        return offset
+
     async def alloc(self, seq: int, nbytes: int) -> int:
         """Offset of a free slot of ``nbytes``; waits for ACKs while the ring is full."""
         while (offset := self._try_place(nbytes)) is None:
@@ -100,19 +128,145 @@ class ShmRing:
 
 
 class ShmSendLink(StreamSendLink):
-    """Sender end: header on the socket, body through the ring."""
+    """Sender end: header on the socket, body into the receiver's placement or the ring."""
 
-    def __init__(self, conn: FrameConnection, ring: ShmRing):
+    def __init__(self, conn: FrameConnection, ring: ShmRing, peer_pid: int, open_timeout_s: float):
         super().__init__(conn)
         self.ring = ring
+        self._regions = PeerRegions(peer_pid)
+        self._open_timeout_s = open_timeout_s
+        # request id -> its placement, None (use the ring: none given, or revoked), or the
+        # future of an OPEN still unanswered. Entries go at END/ABORT; MAX_PLACEMENTS bounds them.
+        self._placements: dict[str, Placement | None | asyncio.Future] = {}
+        self._batch: list[bytes] = []
+        self._batch_bytes = 0
 
-    async def send_data(self, header: FrameHeader, body: memoryview) -> None:
-        offset = await self.ring.alloc(header.seq, body.nbytes)
-        np.copyto(self.ring.array[offset : offset + body.nbytes], np.frombuffer(body, dtype=np.uint8))
-        await self.conn.write(_with_offset(header, offset).pack())
+    async def send_data(self, header: FrameHeader, parts: Sequence[memoryview], corrupt: bool = False) -> None:
+        placement = await self._placement(header.request_id)
+        if placement is None or not self._try_direct(header, parts, corrupt, placement):
+            await self._send_via_ring(header, parts, corrupt)
+        if self._batch_bytes >= FLUSH_BYTES or len(self._batch) >= FLUSH_FRAMES:
+            await self.flush()
+
+    def _try_direct(
+        self, header: FrameHeader, parts: Sequence[memoryview], corrupt: bool, placement: Placement
+    ) -> bool:
+        """Copy the body into its placement and queue its header; False if it has no place there."""
+        segments = placement.segments(header.kind, header.layer, header.token_start, header.token_end)
+        if segments is None or sum(n for _, _, n in segments) != header.body_bytes:
+            return False
+        # Checked on every frame: once our transport is closing nothing may be written any more.
+        if self.conn.closed.is_set() or self.conn.transport.is_closing():
+            raise ConnectionError(self.conn.closed_reason or "connection is closing")
+        try:
+            targets = self._regions.targets(placement.regions, segments)
+        except FrameError as exc:  # the receiver's memory cannot be mapped here
+            logger.warning("request %r: direct write impossible (%s); using the ring", header.request_id, exc)
+            self._placements[header.request_id] = None
+            return False
+        crc = copy_with_checksum(header.checksum_algo, parts, targets)
+        if corrupt:  # fault injection: damage the destination after checksumming
+            _flip_middle_byte(targets, header.body_bytes)
+        self._batch.append(header._replace(body_checksum=crc, flags=header.flags | FLAG_DIRECT).pack())
+        self._batch_bytes += header.body_bytes
+        return True
+
+    async def _send_via_ring(self, header: FrameHeader, parts: Sequence[memoryview], corrupt: bool) -> None:
+        header, parts = seal(header, parts, corrupt)
+        offset = self.ring.try_alloc(header.seq, header.body_bytes)
+        if offset is None:
+            await self.flush()  # the receiver frees ring slots only for headers it has seen
+            offset = await self.ring.alloc(header.seq, header.body_bytes)
+        position = offset
+        for part in parts:
+            np.copyto(self.ring.array[position : position + part.nbytes], np.frombuffer(part, dtype=np.uint8))
+            position += part.nbytes
+        self._batch.append(header._replace(aux=offset).pack())
+        self._batch_bytes += header.body_bytes
+
+    async def flush(self) -> None:
+        if self._batch:
+            parts, self._batch, self._batch_bytes = self._batch, [], 0
+            await self.conn.write(*parts)
+        await asyncio.sleep(0)  # let the reply reader run (an ERROR revokes a placement)
+
+    async def _placement(self, request_id: str) -> Placement | None:
+        """The request's placement, asking the receiver (OPEN) the first time."""
+        state = self._placements.get(request_id, _UNASKED)
+        if state is _UNASKED:
+            await self.flush()
+            state = asyncio.get_running_loop().create_future()
+            self._remember(request_id, state)
+            await self.conn.write(control_header(Kind.OPEN, request_id).pack())
+        if isinstance(state, asyncio.Future):
+            try:
+                async with asyncio.timeout(self._open_timeout_s):
+                    await asyncio.shield(state)
+            except TimeoutError:
+                logger.warning("no PLACE for %r within %.3g s; using the ring", request_id, self._open_timeout_s)
+                self._placements[request_id] = None
+            return self._placements.get(request_id)
+        return state
+
+    def _remember(self, request_id: str, state: Placement | None | asyncio.Future) -> None:
+        self._placements[request_id] = state
+        if len(self._placements) > MAX_PLACEMENTS:  # requests that failed before their END
+            stale = [rid for rid, v in self._placements.items() if not isinstance(v, asyncio.Future)]
+            for rid in stale[: len(stale) // 2]:
+                del self._placements[rid]
+
+    async def send_control(self, header: FrameHeader, payload: bytes) -> None:
+        if header.kind in (Kind.END, Kind.ABORT):
+            self._placements.pop(header.request_id, None)  # nothing is written after END/ABORT
+        await self.flush()
+        await super().send_control(header, payload)
+
+    async def next_reply(self) -> Frame | LinkClosed:
+        """Next reply for the sender; PLACE answers are consumed here, ERRORs revoke first."""
+        while True:
+            item = await super().next_reply()
+            if isinstance(item, LinkClosed):
+                self._answer_all_opens()
+                return item
+            if item.header.kind == Kind.PLACE:
+                self._on_place(item.header.request_id, bytes(item.inline or b""))
+                continue
+            if item.header.kind == Kind.ERROR:
+                self._revoke(item.header.request_id)
+            return item
+
+    def _on_place(self, request_id: str, payload: bytes) -> None:
+        state = self._placements.get(request_id)
+        if not isinstance(state, asyncio.Future):
+            return  # an answer we stopped waiting for; our END fences the receiver
+        placement = None
+        if payload:
+            try:
+                placement = Placement.unpack(payload)
+            except FrameError as exc:
+                logger.warning("request %r: unusable placement (%s); using the ring", request_id, exc)
+        self._placements[request_id] = placement
+        state.set_result(None)
+
+    def _revoke(self, request_id: str) -> None:
+        """The receiver failed the request: stop writing into its placement and say so, after
+        the headers of frames already written (runs between two copies: one loop thread)."""
+        if isinstance(self._placements.get(request_id), Placement):
+            self._placements[request_id] = None
+            parts, self._batch, self._batch_bytes = self._batch, [], 0
+            parts.append(control_header(Kind.REVOKED, request_id).pack())
+            if not self.conn.closed.is_set() and not self.conn.transport.is_closing():
+                self.conn.transport.writelines(parts)
+
+    def _answer_all_opens(self) -> None:
+        for rid, state in list(self._placements.items()):
+            if isinstance(state, asyncio.Future) and not state.done():
+                self._placements[rid] = None
+                state.set_result(None)
 
     async def send_truncated(self, header: FrameHeader, body: memoryview) -> None:
         """Fault injection: half a header, then end the stream."""
+        await self.flush()
         await self.conn.write(header.pack()[: HEADER_BYTES // 2])
         self.conn.write_eof()
 
@@ -122,15 +276,23 @@ class ShmSendLink(StreamSendLink):
     def close(self) -> None:
         self.ring.fail("connection closed")
         self.ring.unlink()
-        super().close()
+        super().close()  # the transport is closing from here on: no direct write starts again
+        self._regions.close()
 
 
-def _with_offset(header: FrameHeader, offset: int) -> FrameHeader:
-    return replace(header, aux=offset)
+def _flip_middle_byte(targets: list[np.ndarray], nbytes: int) -> None:
+    position = nbytes // 2
+    for target in targets:
+        if position < len(target):
+            target[position] ^= 0xFF
+            return
+        position -= len(target)
 
 
 class ShmRecvLink(StreamRecvLink):
-    """Receiver end: bodies are views of the sender's ring."""
+    """Receiver end: bodies are views of the sender's ring, or already in the destination."""
+
+    supports_placement = True
 
     def __init__(self, conn: FrameConnection, ring_map: mmap.mmap):
         super().__init__(conn)
@@ -140,14 +302,25 @@ class ShmRecvLink(StreamRecvLink):
         header = frame.header
         if frame.inline is not None or not header.kind.is_data:
             return await super().read_body(frame)
+        if header.flags & FLAG_DIRECT:
+            return memoryview(b"")  # the receiver verifies it where the sender wrote it
         end = header.aux + header.body_bytes
         if end > len(self._ring):
             raise FrameError(f"{header.describe()}: ring slot [{header.aux}, {end}) beyond ring of {len(self._ring)}")
         return self._ring[header.aux : end]
 
 
+def _peer_credentials(sock) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a unix socket, from the kernel."""
+    return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+
+
 async def _accept(conn: FrameConnection, config: TransferConfig) -> RecvLink:
-    """Receiver side of the handshake: map the sender's ring, unlink its name, say HELLO."""
+    """Receiver side of the handshake: check the peer's user, map the sender's ring, unlink
+    its name, say HELLO."""
+    uid = _peer_credentials(conn.transport.get_extra_info("socket"))[1]
+    if uid != os.getuid():
+        raise FrameError(f"shm peer runs as uid {uid}, this receiver as {os.getuid()}: refused")
     async with asyncio.timeout(config.connect_timeout_s):
         item = await conn.next_frame()
     if isinstance(item, LinkClosed) or item.header.kind != Kind.HELLO or item.inline is None:
@@ -193,6 +366,7 @@ class ShmBackend:
             async with asyncio.timeout(config.connect_timeout_s):
                 # uvloop cannot connect to an abstract path itself; a connected socket it can adopt.
                 await loop.sock_connect(sock, _socket_path(address.name))
+                peer_pid = _peer_credentials(sock)[0]
                 _, conn = await loop.create_unix_connection(lambda: FrameConnection(config.max_frame_bytes), sock=sock)
         except (OSError, TimeoutError) as exc:
             sock.close()
@@ -204,12 +378,15 @@ class ShmBackend:
             ring.unlink()
             conn.close()
             raise
-        return ShmSendLink(conn, ring)
+        return ShmSendLink(conn, ring, peer_pid, config.connect_timeout_s)
 
 
 async def _handshake(conn: FrameConnection, ring: ShmRing, config: TransferConfig) -> None:
     payload = _HELLO.pack(ring.size_bytes) + ring.name.encode()
-    await conn.write(control_header(Kind.HELLO, "", payload=payload).pack(), payload)
+    try:
+        await conn.write(control_header(Kind.HELLO, "", payload=payload).pack(), payload)
+    except ConnectionError as exc:  # the receiver refused us (another user) or went away
+        raise TransferError(f"shm handshake failed: {exc}") from exc
     try:
         async with asyncio.timeout(config.connect_timeout_s):
             reply = await conn.next_frame()

@@ -1,138 +1,35 @@
 """Receiver-side bookkeeping of layerwise transfers: which chunks of which request have
-arrived, whether a chunk fits what the destination expects, and who is waiting.
+arrived (``progress`` has the per-request state and the fit rules), who is waiting, and when a
+failed request's memory may be reused.
 
 ``RequestTable`` owns every expected request from ``add`` until ``wait_complete``/``cancel``
-removes it. The I/O thread calls ``admit``/``record``/``finish``/``fail*``; caller threads call
-``add``/``wait_*``/``cancel``. One ``threading.Condition`` guards all of it and wakes waiters;
-no I/O happens under it. Layer ids are model layer indices (MLA and KDA layers share them);
-blob ids are separate.
+removes it. The I/O thread calls ``admit``/``record``/``finish``/``fail*``/``open``/``fence*``;
+caller threads call ``add``/``wait_*``/``cancel``. One ``threading.Condition`` guards all of it
+and wakes waiters; no I/O happens under it. Layer ids are model layer indices (MLA and KDA
+layers share them); blob ids are separate.
 
-Token coverage of an MLA layer is a sorted list of merged half-open intervals::
+Direct placement (shm): ``open`` hands a request's destination to one connection, whose peer
+then writes chunks straight into it. A failed or cancelled request is removed only once that
+peer is fenced (``fence``: its END, ABORT or REVOKED arrived; ``fence_connection``: it is gone),
+or ``fence_timeout_s`` passed, so the caller never frees memory a sender is still writing::
 
-    expected   [token_start ..................................... token_end)
-    received   [0, 64) [64, 128)           [192, 256)
-    covered    [(0, 128), (192, 256)]      -> layer incomplete: [128, 192) missing
+    open ──► PLACE sent ──► direct chunks ──► END ─────────────────► complete (fenced)
+                                 └─► failure ──► ERROR ──► REVOKED ──► wait_complete raises
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from kvstore.transfer.base import Expected, Sink, TransferError, TransferResult
-from kvstore.transfer.frames import DType, FrameHeader, Kind
+from kvstore.transfer.frames import FrameHeader, Kind
+from kvstore.transfer.placement import LocalPlacement
+from kvstore.transfer.progress import KDA_PARTS, Progress, chunk_problem, describe_missing, merge_interval
 
-KDA_PARTS = frozenset({Kind.KDA_STATE, Kind.KDA_CONV})
-
-
-@dataclass
-class _Progress:
-    """Mutable state of one request; guarded by the owning table's condition."""
-
-    request_id: str
-    expected: Expected
-    sink: Sink
-    started_at: float
-    deadline_at: float
-    conn_id: int | None = None
-    mla_covered: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
-    kda_parts: dict[int, set[Kind]] = field(default_factory=dict)
-    blobs: set[int] = field(default_factory=set)
-    done_layers: set[int] = field(default_factory=set)
-    sender_units: int | None = None
-    error: str | None = None
-    complete: bool = False
-    num_frames: int = 0
-    num_bytes: int = 0
-
-    @property
-    def all_chunks_in(self) -> bool:
-        return self.done_layers == self.expected.layers and len(self.blobs) == self.expected.num_blobs
-
-
-def chunk_problem(expected: Expected, progress: _Progress, header: FrameHeader) -> str | None:
-    """Why ``header``'s chunk does not fit the destination, or None when it does."""
-    if header.kind == Kind.MLA_ROWS:
-        return _mla_problem(expected, progress, header)
-    if header.kind in KDA_PARTS:
-        return _kda_problem(expected, progress, header)
-    if header.kind == Kind.BLOB:
-        return _blob_problem(expected, progress, header)
-    return f"{header.kind.name} is not a data kind"
-
-
-def _mla_problem(expected: Expected, progress: _Progress, header: FrameHeader) -> str | None:
-    layer, t0, t1 = header.layer, header.token_start, header.token_end
-    if layer not in expected.mla_layers:
-        return f"layer {layer} is not an expected MLA layer {sorted(expected.mla_layers)}"
-    if not expected.token_start <= t0 < t1 <= expected.token_end:
-        return f"tokens [{t0}, {t1}) outside the expected range [{expected.token_start}, {expected.token_end})"
-    want_shape = (t1 - t0, *expected.mla_row_shape)
-    if header.shape != want_shape or header.dtype != expected.mla_dtype:
-        return (
-            f"chunk is {header.dtype.name.lower()} {header.shape}, destination expects "
-            f"{expected.mla_dtype.name.lower()} {want_shape}"
-        )
-    overlapping = [(a, b) for a, b in progress.mla_covered.get(layer, ()) if a < t1 and t0 < b]
-    if overlapping:
-        return f"tokens [{t0}, {t1}) of layer {layer} overlap tokens already received {overlapping}"
-    return None
-
-
-def _kda_problem(expected: Expected, progress: _Progress, header: FrameHeader) -> str | None:
-    if header.layer not in expected.kda_layers:
-        return f"layer {header.layer} is not an expected KDA layer {sorted(expected.kda_layers)}"
-    want_shape = expected.kda_state_shape if header.kind == Kind.KDA_STATE else expected.kda_conv_shape
-    if header.shape != tuple(want_shape) or header.dtype != expected.kda_dtype:
-        return (
-            f"{header.kind.name} is {header.dtype.name.lower()} {header.shape}, destination expects "
-            f"{expected.kda_dtype.name.lower()} {tuple(want_shape)}"
-        )
-    if header.kind in progress.kda_parts.get(header.layer, ()):
-        return f"duplicate {header.kind.name} for layer {header.layer}"
-    return None
-
-
-def _blob_problem(expected: Expected, progress: _Progress, header: FrameHeader) -> str | None:
-    if not 0 <= header.layer < expected.num_blobs:
-        return f"blob index {header.layer} outside [0, {expected.num_blobs})"
-    if header.dtype != DType.UINT8 or header.body_bytes > expected.max_blob_bytes:
-        kind = header.dtype.name.lower()
-        return f"blob is {kind} of {header.body_bytes} bytes; limit {expected.max_blob_bytes} uint8"
-    if header.layer in progress.blobs:
-        return f"duplicate blob {header.layer}"
-    return None
-
-
-def _merge(intervals: list[tuple[int, int]], new: tuple[int, int]) -> list[tuple[int, int]]:
-    merged: list[tuple[int, int]] = []
-    for start, end in sorted([*intervals, new]):
-        if merged and merged[-1][1] == start:
-            merged[-1] = (merged[-1][0], end)
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def describe_missing(progress: _Progress, limit: int = 4) -> str:
-    """What has not arrived yet, e.g. ``layer 3 tokens [(0, 64)] of [0, 128); blob 1``."""
-    exp = progress.expected
-    items: list[str] = []
-    for layer in sorted(exp.mla_layers):
-        if layer not in progress.done_layers:
-            covered = progress.mla_covered.get(layer, [])
-            items.append(f"layer {layer} has tokens {covered} of [{exp.token_start}, {exp.token_end})")
-    for layer in sorted(exp.kda_layers):
-        missing = KDA_PARTS - progress.kda_parts.get(layer, set())
-        if missing:
-            items.append(f"layer {layer} lacks {sorted(k.name for k in missing)}")
-    items += [f"blob {i} missing" for i in range(exp.num_blobs) if i not in progress.blobs]
-    if progress.all_chunks_in and progress.sender_units is None:
-        items.append("all chunks in but no END from the sender")
-    extra = f" (+{len(items) - limit} more)" if len(items) > limit else ""
-    return "; ".join(items[:limit]) + extra
+logger = logging.getLogger(__name__)
 
 
 class RequestTable:
@@ -142,20 +39,23 @@ class RequestTable:
         self,
         clock: Callable[[], float] = time.monotonic,
         on_fail: Callable[[str, int, str], None] | None = None,
+        fence_timeout_s: float = 2.0,
     ):
         """``on_fail(request_id, conn_id, reason)`` runs, under the lock and so must not block,
-        whenever a request bound to a connection fails; the receiver uses it to tell the sender."""
+        whenever a request bound to a connection fails; the receiver uses it to tell the sender.
+        ``fence_timeout_s`` bounds how long a failed, placed request waits for its peer's fence."""
         self._clock = clock
         self._on_fail = on_fail
+        self._fence_timeout_s = fence_timeout_s
         self._cond = threading.Condition()
-        self._requests: dict[str, _Progress] = {}
+        self._requests: dict[str, Progress] = {}
 
     def add(self, request_id: str, sink: Sink, expected: Expected, deadline_s: float) -> None:
         with self._cond:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already expected")
             now = self._clock()
-            self._requests[request_id] = _Progress(request_id, expected, sink, now, now + deadline_s)
+            self._requests[request_id] = Progress(request_id, expected, sink, now, now + deadline_s)
 
     def __len__(self) -> int:
         with self._cond:
@@ -166,26 +66,79 @@ class RequestTable:
     def admit(self, header: FrameHeader, conn_id: int) -> tuple[Sink | None, str | None]:
         """``(sink, None)`` for a chunk that fits, else ``(None, reason)``; a misfit fails the request."""
         with self._cond:
-            progress = self._requests.get(header.request_id)
+            progress, reason = self._admit_locked(header, conn_id)
+            return (None, reason) if progress is None else (progress.sink, None)
+
+    def admit_direct(self, header: FrameHeader, conn_id: int) -> tuple[LocalPlacement | None, str | None]:
+        """Like ``admit`` for a chunk the peer wrote into the destination: ``(placement, None)``
+        when it fits and this connection holds the request's placement, else ``(None, reason)``."""
+        with self._cond:
+            progress, reason = self._admit_locked(header, conn_id)
             if progress is None:
-                return None, f"request {header.request_id!r} is not expected by this receiver"
-            if progress.error is not None:
-                return None, progress.error
-            if progress.complete:
-                return (
-                    None,
-                    f"request {header.request_id!r} already complete; extra chunk {header.describe()}",
-                )
-            if progress.conn_id not in (None, conn_id):
-                reason = f"request {header.request_id!r} arrived on a second connection"
-            else:
-                progress.conn_id = conn_id
-                reason = chunk_problem(progress.expected, progress, header)
-            if reason is not None:
-                reason = f"rejected {header.describe()}: {reason}"
+                return None, reason
+            if progress.placement is None:
+                reason = f"rejected {header.describe()}: written directly, but no placement was given to its connection"
                 self._fail_locked(progress, reason)
                 return None, reason
-            return progress.sink, None
+            return progress.placement, None
+
+    def _admit_locked(self, header: FrameHeader, conn_id: int) -> tuple[Progress | None, str | None]:
+        progress = self._requests.get(header.request_id)
+        if progress is None:
+            return None, f"request {header.request_id!r} is not expected by this receiver"
+        if progress.error is not None:
+            return None, progress.error
+        if progress.complete:
+            return None, f"request {header.request_id!r} already complete; extra chunk {header.describe()}"
+        if progress.conn_id not in (None, conn_id):
+            reason = f"request {header.request_id!r} arrived on a second connection"
+        else:
+            progress.conn_id = conn_id
+            reason = chunk_problem(progress.expected, progress, header)
+        if reason is not None:
+            reason = f"rejected {header.describe()}: {reason}"
+            self._fail_locked(progress, reason)
+            return None, reason
+        return progress, None
+
+    def open(self, request_id: str, conn_id: int) -> Sink | None:
+        """Bind a request to the connection asking for its placement; returns its sink, or None
+        when the request is unknown, over, or bound to another connection."""
+        with self._cond:
+            progress = self._requests.get(request_id)
+            if progress is None or progress.error is not None or progress.complete:
+                return None
+            if progress.conn_id not in (None, conn_id):
+                return None
+            progress.conn_id = conn_id
+            return progress.sink
+
+    def placed(self, request_id: str, conn_id: int, placement: LocalPlacement) -> bool:
+        """Record that ``placement`` goes to connection ``conn_id`` (not fenced until its END);
+        False, and nothing recorded, if the request failed or moved meanwhile."""
+        with self._cond:
+            progress = self._requests.get(request_id)
+            if progress is None or progress.error is not None or progress.complete or progress.conn_id != conn_id:
+                return False
+            progress.placement = placement
+            progress.fenced = False
+            return True
+
+    def fence(self, request_id: str, conn_id: int) -> None:
+        """The peer on ``conn_id`` writes nothing more into the request's placement."""
+        with self._cond:
+            progress = self._requests.get(request_id)
+            if progress is not None and progress.conn_id == conn_id and not progress.fenced:
+                progress.fenced = True
+                self._cond.notify_all()
+
+    def fence_connection(self, conn_id: int) -> None:
+        """The peer on ``conn_id`` is gone: every placement it held is fenced."""
+        with self._cond:
+            for progress in self._requests.values():
+                if progress.conn_id == conn_id:
+                    progress.fenced = True
+            self._cond.notify_all()
 
     def record(self, header: FrameHeader) -> None:
         """Count an admitted chunk the sink has written; wakes waiters of finished layers."""
@@ -198,11 +151,11 @@ class RequestTable:
             if self._mark_chunk(progress, header):
                 self._cond.notify_all()  # waiters care about whole layers, not chunks
 
-    def _mark_chunk(self, progress: _Progress, header: FrameHeader) -> bool:
+    def _mark_chunk(self, progress: Progress, header: FrameHeader) -> bool:
         """Count the chunk; True when it completed a layer or blob."""
         exp, layer = progress.expected, header.layer
         if header.kind == Kind.MLA_ROWS:
-            covered = _merge(progress.mla_covered.get(layer, []), (header.token_start, header.token_end))
+            covered = merge_interval(progress.mla_covered.get(layer, []), (header.token_start, header.token_end))
             progress.mla_covered[layer] = covered
             done = covered == [(exp.token_start, exp.token_end)]
         elif header.kind in KDA_PARTS:
@@ -222,6 +175,9 @@ class RequestTable:
             progress = self._requests.get(request_id)
             if progress is None:
                 return f"END for request {request_id!r}, which is not expected by this receiver"
+            if progress.conn_id == conn_id and not progress.fenced:
+                progress.fenced = True  # the peer writes nothing after its END
+                self._cond.notify_all()
             if progress.error is not None:
                 return progress.error
             progress.conn_id = conn_id if progress.conn_id is None else progress.conn_id
@@ -273,20 +229,23 @@ class RequestTable:
             return progress.conn_id, progress.error
 
     def fail_all(self, reason: str) -> None:
-        """Fail every pending request (the receiver is closing)."""
+        """Fail every pending request (the receiver is closing). Placements count as fenced: a
+        closing worker reuses no memory, and its waiters should not wait out the fence."""
         with self._cond:
             for rid, progress in self._requests.items():
                 if not progress.complete and progress.error is None:
                     self._fail_locked(progress, f"request {rid!r}: {reason}")
+                progress.fenced = True
+            self._cond.notify_all()
 
-    def _expire_locked(self, request_id: str, progress: _Progress) -> None:
+    def _expire_locked(self, request_id: str, progress: Progress) -> None:
         deadline_s = progress.deadline_at - progress.started_at
         self._fail_locked(
             progress,
             f"request {request_id!r} missed its deadline of {deadline_s:.3g} s; missing: {describe_missing(progress)}",
         )
 
-    def _fail_locked(self, progress: _Progress, reason: str) -> None:
+    def _fail_locked(self, progress: Progress, reason: str) -> None:
         progress.error = reason
         self._cond.notify_all()
         if progress.conn_id is not None and self._on_fail is not None:
@@ -297,7 +256,7 @@ class RequestTable:
     def wait_layer(self, request_id: str, layer: int, timeout_s: float | None) -> None:
         """Block until ``layer`` (or blob ``layer`` of a blob-only request) is in the destination."""
 
-        def ready(p: _Progress) -> bool:
+        def ready(p: Progress) -> bool:
             return layer in p.done_layers or (not p.expected.layers and layer in p.blobs)
 
         with self._cond:
@@ -314,6 +273,7 @@ class RequestTable:
                 self._wait(request_id, progress, lambda p: p.complete, timeout_s, "completion")
             except TransferError:
                 if progress.error is not None:
+                    self._wait_fenced(progress)
                     del self._requests[request_id]
                 raise
             del self._requests[request_id]
@@ -322,16 +282,33 @@ class RequestTable:
             )
 
     def cancel(self, request_id: str) -> int | None:
-        """Forget the request (waiters get TransferError); returns its connection id, if bound."""
+        """Forget the request (waiters get TransferError) once its placement, if any, is fenced;
+        returns its connection id, if bound."""
         with self._cond:
-            progress = self._requests.pop(request_id, None)
+            progress = self._requests.get(request_id)
             if progress is None:
                 return None
             if progress.error is None and not progress.complete:
                 self._fail_locked(progress, f"request {request_id!r} was cancelled by the receiver")
+            self._wait_fenced(progress)
+            self._requests.pop(request_id, None)
             return progress.conn_id
 
-    def _get(self, request_id: str) -> _Progress:
+    def _wait_fenced(self, progress: Progress) -> None:
+        """Wait (lock held) until no peer may write into the request's placement, at most
+        ``fence_timeout_s``; then its memory may be reused."""
+        until = self._clock() + self._fence_timeout_s
+        while not progress.fenced:
+            now = self._clock()
+            if now >= until:
+                logger.error(
+                    "request %r: the sender holding its placement did not confirm it stopped writing within "
+                    "%.3g s; its destination may still be written", progress.request_id, self._fence_timeout_s,
+                )
+                return
+            self._cond.wait(until - now)
+
+    def _get(self, request_id: str) -> Progress:
         progress = self._requests.get(request_id)
         if progress is None:
             raise ValueError(f"request {request_id!r} is not expected (or already collected)")
@@ -340,8 +317,8 @@ class RequestTable:
     def _wait(
         self,
         request_id: str,
-        progress: _Progress,
-        ready: Callable[[_Progress], bool],
+        progress: Progress,
+        ready: Callable[[Progress], bool],
         timeout_s: float | None,
         what: str,
     ) -> None:
@@ -373,5 +350,6 @@ class RequestTable:
                 assert p.done_layers <= p.expected.layers, rid
                 assert p.blobs <= set(range(p.expected.num_blobs)), rid
                 assert not p.complete or p.all_chunks_in, rid
+                assert p.fenced or p.placement is not None, rid
                 for layer, covered in p.mla_covered.items():
                     assert all(a < b for a, b in covered), (rid, layer)

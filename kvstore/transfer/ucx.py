@@ -23,7 +23,7 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,7 +39,7 @@ from ucxx.exceptions import UCXError
 from kvstore.transfer.base import Address, Frame, LinkClosed, RecvLink, TransferConfig, TransferError
 from kvstore.transfer.frames import HEADER_BYTES, FrameError, FrameHeader, Kind, control_header
 from kvstore.transfer.tcp import StreamListener, open_tcp, serve_factory
-from kvstore.transfer.wire import FrameConnection, StreamRecvLink, StreamSendLink
+from kvstore.transfer.wire import FrameConnection, StreamRecvLink, StreamSendLink, seal
 
 logger = logging.getLogger(__name__)
 _HELLO = struct.Struct("<I")  # tag prefix; followed by the receiver's UCX worker address
@@ -107,9 +107,13 @@ class UcxSendLink(StreamSendLink):
         self._sends: set[asyncio.Future] = set()
         self._send_error: str | None = None
 
-    async def send_data(self, header: FrameHeader, body: memoryview) -> None:
+    coalesces = False  # one tag message per frame, from one buffer
+
+    async def send_data(self, header: FrameHeader, parts: Sequence[memoryview], corrupt: bool = False) -> None:
         if self._send_error is not None:
             raise ConnectionError(self._send_error)
+        header, parts = seal(header, parts, corrupt)
+        (body,) = parts
         await self.conn.write(header.pack())
         if header.body_bytes:
             tag = _tag(self._tag_prefix, header.seq)

@@ -1,9 +1,10 @@
 """Frames over a byte stream (TCP or unix socket), shared by every backend.
 
-``FrameConnection`` is an ``asyncio.BufferedProtocol``: the kernel copies a header straight
-into a fixed 160-byte buffer and an inline body straight into a reusable staging buffer (no
-``readexactly`` copies, no per-byte Python). While the consumer holds an inline body the
-connection stops reading, so one staging buffer per connection suffices. Writes go out with
+``FrameConnection`` is an ``asyncio.BufferedProtocol``: the kernel copies headers into a 64 KiB
+read area (a batch of small frames' headers arrives in one read) and the rest of an inline body
+straight into a reusable staging buffer (no ``readexactly`` copies, no per-byte Python).
+While the consumer holds an inline body the connection stops reading and parsing, so one
+staging buffer per connection suffices. Writes go out with
 ``writelines([header, body])`` from the caller's memoryview (zero-copy) and wait on the
 transport's flow control. ``StreamSendLink`` / ``StreamRecvLink`` implement the link
 protocols of ``base.py`` with inline bodies; shm and ucx override only the body path.
@@ -15,8 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Sequence
 
 from kvstore.transfer.base import Frame, LinkClosed
 from kvstore.transfer.frames import (
@@ -25,11 +25,13 @@ from kvstore.transfer.frames import (
     FrameError,
     FrameHeader,
     Kind,
+    checksum,
     control_header,
     unpack_header,
 )
 
 logger = logging.getLogger(__name__)
+READ_AREA_BYTES = 64 << 10
 
 
 class FrameConnection(asyncio.BufferedProtocol):
@@ -39,18 +41,24 @@ class FrameConnection(asyncio.BufferedProtocol):
         self._max_frame_bytes = max_frame_bytes
         self._on_connected = on_connected
         self._frames: asyncio.Queue[Frame | LinkClosed] = asyncio.Queue()
-        self._header_buf = bytearray(HEADER_BYTES)
-        self._header_view = memoryview(self._header_buf)
+        # Headers (and the first bytes of a body) land in the read area; several headers can
+        # arrive in one read: [parsed | area_start .. unparsed .. area_end | free]
+        self._area = bytearray(READ_AREA_BYTES)
+        self._area_view = memoryview(self._area)
+        self._area_start = 0
+        self._area_end = 0
         self._staging = bytearray(0)
         self._body_view = memoryview(self._staging)
         self._body_header: FrameHeader | None = None  # set while a body is being read
-        self._filled_bytes = 0
+        self._filled_bytes = 0  # body bytes of _body_header already in _body_view
         self._holding = False
         self._write_ready = asyncio.Event()
         self._write_ready.set()
         self.made = asyncio.Event()  # set by connection_made, which may run after create_connection returns
         self.closed = asyncio.Event()
         self.closed_reason = ""
+        self.closed_by_peer = False  # the peer ended the stream (EOF, reset or death), not we
+        self._closing = False  # we closed or aborted the transport
         self._eof_sent = False
         self.transport: asyncio.Transport | None = None
 
@@ -63,26 +71,53 @@ class FrameConnection(asyncio.BufferedProtocol):
             self._on_connected(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        view = self._header_view if self._body_header is None else self._body_view
-        return view[self._filled_bytes :]
+        if self._body_header is not None:  # the rest of a body goes straight into its buffer
+            return self._body_view[self._filled_bytes :]
+        if self._area_start == self._area_end:
+            self._area_start = self._area_end = 0
+        elif len(self._area) - self._area_end < HEADER_BYTES:  # compact a partial header to the front
+            pending = self._area_end - self._area_start
+            self._area[:pending] = self._area[self._area_start : self._area_end]
+            self._area_start, self._area_end = 0, pending
+        return self._area_view[self._area_end :]
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._filled_bytes += nbytes
         if self._body_header is None:
-            if self._filled_bytes == HEADER_BYTES:
-                self._filled_bytes = 0
-                self._on_header()
-        elif self._filled_bytes == len(self._body_view):
-            frame = Frame(self._body_header, self._body_view)
-            self._body_header = None
-            self._filled_bytes = 0
-            self._holding = True
-            self.transport.pause_reading()
-            self._frames.put_nowait(frame)
+            self._area_end += nbytes
+            self._parse()
+            return
+        self._filled_bytes += nbytes
+        if self._filled_bytes == len(self._body_view):
+            self._deliver_body()
 
-    def _on_header(self) -> None:
+    def _parse(self) -> None:
+        """Turn every complete header in the read area into a frame, until an inline body must
+        be read or held."""
+        while not self._holding and self._body_header is None and not self.closed.is_set():
+            if self._area_end - self._area_start < HEADER_BYTES:
+                return
+            start = self._area_start
+            self._area_start += HEADER_BYTES
+            self._on_header(self._area_view[start : start + HEADER_BYTES])
+            if self._body_header is not None:  # body bytes already read sit behind the header
+                take = min(self._area_end - self._area_start, len(self._body_view))
+                self._body_view[:take] = self._area_view[self._area_start : self._area_start + take]
+                self._area_start += take
+                self._filled_bytes = take
+                if take == len(self._body_view):
+                    self._deliver_body()
+
+    def _deliver_body(self) -> None:
+        frame = Frame(self._body_header, self._body_view)
+        self._body_header = None
+        self._filled_bytes = 0
+        self._holding = True
+        self.transport.pause_reading()
+        self._frames.put_nowait(frame)
+
+    def _on_header(self, raw: memoryview) -> None:
         try:
-            header = unpack_header(self._header_buf)
+            header = unpack_header(raw)
         except FrameError as exc:
             self._fail(f"protocol error: {exc}")
             return
@@ -102,28 +137,34 @@ class FrameConnection(asyncio.BufferedProtocol):
         self._body_header = header
 
     def release(self) -> None:
-        """The consumer is done with the last inline body; resume reading."""
+        """The consumer is done with the last inline body; parse what was read behind it, resume."""
         if self._holding:
             self._holding = False
             if not self.closed.is_set():
-                self.transport.resume_reading()
+                self._parse()
+                if not self._holding:
+                    self.transport.resume_reading()
 
     async def next_frame(self) -> Frame | LinkClosed:
         return await self._frames.get()
 
     def eof_received(self) -> bool:
+        if not self._closing:
+            self.closed_by_peer = True
         return False  # close our side too
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.closed.is_set():
             return
+        if not self._closing:
+            self.closed_by_peer = True
         if self._body_header is not None:
             reason = (
                 f"truncated frame: connection closed after {self._filled_bytes} of "
                 f"{self._body_header.body_bytes} body bytes of {self._body_header.describe()}"
             )
-        elif self._filled_bytes:
-            got = self._filled_bytes
+        elif self._area_end > self._area_start:
+            got = self._area_end - self._area_start
             reason = f"truncated frame: connection closed after {got} of {HEADER_BYTES} header bytes"
         else:
             reason = "connection closed by peer" + (f" ({exc})" if exc else "")
@@ -131,6 +172,7 @@ class FrameConnection(asyncio.BufferedProtocol):
 
     def _fail(self, reason: str) -> None:
         logger.warning("closing transfer connection: %s", reason)
+        self._closing = True
         self._mark_closed(reason, None)
         self.transport.abort()
 
@@ -168,21 +210,44 @@ class FrameConnection(asyncio.BufferedProtocol):
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
+            self._closing = True
             self.transport.close()
 
 
+def seal(header: FrameHeader, parts: Sequence[memoryview], corrupt: bool) -> tuple[FrameHeader, Sequence[memoryview]]:
+    """The header with the checksum of the body (``parts`` in order); with ``corrupt`` (fault
+    injection) a copy of the body with one byte flipped after checksumming."""
+    crc = 0
+    for part in parts:
+        crc = checksum(header.checksum_algo, part, crc)
+    header = header._replace(body_checksum=crc)
+    if corrupt:
+        damaged = bytearray(b"".join(parts))
+        damaged[len(damaged) // 2] ^= 0xFF
+        parts = (memoryview(damaged),)
+    return header, parts
+
+
 def with_inline(header: FrameHeader) -> FrameHeader:
-    return replace(header, flags=header.flags | FLAG_INLINE_BODY)
+    return header._replace(flags=header.flags | FLAG_INLINE_BODY)
 
 
 class StreamSendLink:
     """Sender end of a stream link; bodies ride inline (the TCP backend as is)."""
 
+    coalesces = True  # the sender may hand it one frame made of several chunks' bodies
+
     def __init__(self, conn: FrameConnection):
         self.conn = conn
 
-    async def send_data(self, header: FrameHeader, body: memoryview) -> None:
-        await self.conn.write(with_inline(header).pack(), body)
+    async def send_data(self, header: FrameHeader, parts: Sequence[memoryview], corrupt: bool = False) -> None:
+        """Checksum the body (``parts`` in order) and send it inline, zero-copy (``corrupt``:
+        damage it after checksumming)."""
+        header, parts = seal(header, parts, corrupt)
+        await self.conn.write(with_inline(header).pack(), *parts)
+
+    async def flush(self) -> None:
+        """Write out anything the link batches; the sender calls it whenever its queue is empty."""
 
     async def send_control(self, header: FrameHeader, payload: bytes) -> None:
         await self.conn.write(header.pack(), payload)
@@ -224,9 +289,15 @@ class StreamSendLink:
 class StreamRecvLink:
     """Receiver end of a stream link; bodies ride inline (the TCP backend as is)."""
 
+    supports_placement = False
+
     def __init__(self, conn: FrameConnection):
         self.conn = conn
         self._ack_seq = 0  # highest consumed data frame not yet acknowledged; 0 = none pending
+
+    @property
+    def closed_by_peer(self) -> bool:
+        return self.conn.closed_by_peer
 
     async def next_frame(self) -> Frame | LinkClosed:
         return await self.conn.next_frame()

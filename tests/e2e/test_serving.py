@@ -1,5 +1,6 @@
 """End-to-end serving through real processes: token-exact with the single-process engine,
-prefix reuse (local and pulled), cancellation, bad input, admission under a flood."""
+prefix reuse (local and pulled), cancellation, bad input, admission under a flood, small
+frames, and the shm transfer backend (one-copy writes into the decode worker's pages)."""
 
 import threading
 
@@ -148,5 +149,22 @@ def test_small_frames_split_rows_and_stay_exact(reference):
         second = first[:128] + prompt(20, 1001)
         run_all(c.endpoint, [Client.request(first, max_tokens=2)])
         out = run_all(c.endpoint, [Client.request(second, max_tokens=8)])[0]
+    assert out.cached_tokens == 128
+    assert out.token_ids == engine.generate(reference, second, 8)
+
+
+def test_shm_transfer_backend_stays_exact(reference):
+    """Both workers on ``--transfer-backend shm``: the prefill worker writes KV straight into the
+    decode worker's pages (its cache lives in shareable memory), which verifies it there;
+    token-exact with the engine, a reused prefix included."""
+    args = ("--transfer-backend", "shm")
+    with LocalCluster(ClusterConfig(num_prefill=1, num_decode=1, prefill_args=WORKER_ARGS + args,
+                                    decode_args=DECODE_ARGS + args)) as c:
+        check_exact(c.endpoint, reference, [7, 70, 140])
+        first = prompt(150, 1100)
+        second = first[:128] + prompt(20, 1101)
+        run_all(c.endpoint, [Client.request(first, max_tokens=2)])
+        out = run_all(c.endpoint, [Client.request(second, max_tokens=8)])[0]
+        wait_all_freed(c)
     assert out.cached_tokens == 128
     assert out.token_ids == engine.generate(reference, second, 8)

@@ -1,11 +1,14 @@
 """Transfer engine tests.
 
-Mechanism tests pin the frame layout, the receiver's bookkeeping and the shm ring at tiny
-sizes. Contract tests run over every available backend (shm, tcp, and ucx when ucxx imports)
-with the two ends in different processes (``transfer_peer.py``): byte-exact layerwise
-delivery, corruption, truncation, a killed peer on either side, backpressure, deadlines and
-the rejection of unexpected requests. Child processes are always killed at teardown, and every
-receiver must end with no pending request.
+Mechanism tests pin the frame layout, the receiver's bookkeeping, the shm ring and direct
+placements (segments, wire form, the fence) at tiny sizes. Contract tests run over every
+available backend (shm, tcp, and ucx when ucxx imports) with the two ends in different
+processes (``transfer_peer.py``): byte-exact layerwise delivery, corruption, truncation, a
+killed peer on either side, backpressure, deadlines and the rejection of unexpected requests.
+The shm tests at the end pin the one-copy path: a destination in shareable memory is written
+directly and verified there, a corrupted direct write leaves no cache, a cancelled request's
+memory is not written after ``cancel`` returns, and peers of another user are refused. Child
+processes are always killed at teardown, and every receiver must end with no pending request.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +47,7 @@ from kvstore.transfer.frames import (
     FrameHeader,
     unpack_header,
 )
+from kvstore.transfer.placement import FlatPlacement, Placement, Region, RowPlacement
 from kvstore.transfer.shm import ShmRing
 from kvstore.transfer.stream import RequestTable
 from tests.kvstore.transfer_peer import (
@@ -94,7 +99,7 @@ def test_header_round_trips_and_rejects_damage():
         unpack_header(bytes(damaged))
     with pytest.raises(FrameError, match="bad frame magic"):
         unpack_header(b"XXXX" + packed[4:])
-    wrong_len = FrameHeader(**{**header.__dict__, "body_bytes": 5})
+    wrong_len = header._replace(body_bytes=5)
     with pytest.raises(FrameError, match="body_bytes 5"):
         unpack_header(wrong_len.pack())
 
@@ -421,3 +426,161 @@ def test_abort_and_cancel_reach_the_other_side(rx):
         assert not tx.failed, "a failed request must not fail the connection"
     finally:
         tx.close()
+
+
+# ---- shm direct placement: one copy into the receiver's memory, verified there --------------
+
+
+def test_row_placement_segments_merge_adjacent_pages_and_stay_inside():
+    rows = RowPlacement(region=0, layer_offsets=((3, 1000),), page_ids=(4, 5, 9, 2), rows_per_page=4,
+                        row_bytes=8, page_stride=32)
+    # tokens [2, 11): page 4 rows 2-3, page 5 rows 0-3 (adjacent: merged), page 9 rows 0-2
+    assert rows.segments(3, 2, 11) == [(0, 1000 + 4 * 32 + 16, 16 + 32), (0, 1000 + 9 * 32, 24)]
+    assert rows.segments(3, 0, 17) is None  # beyond the 4 pages
+    assert rows.segments(7, 0, 4) is None  # not a placed layer
+    many = RowPlacement(0, ((0, 0),), tuple(range(40, 0, -1)), 2, 4, 8)  # numpy path, nothing adjacent
+    assert many.segments(0, 1, 79) == [(0, 40 * 8 + 4, 4)] + [(0, p * 8, 8) for p in range(39, 1, -1)] + [(0, 8, 4)]
+
+
+def test_placement_round_trips_and_a_sender_refuses_one_beyond_its_region():
+    rows = RowPlacement(0, ((3, 0), (7, 4096)), (1, 0, 2), 16, 256, 4096)
+    placement = Placement(
+        (Region(fd=5, inode=77, nbytes=3 * 4096 * 2), Region(6, 78, 1024)),
+        rows,
+        (FlatPlacement(Kind.KDA_STATE, 0, 1, 0, 512), FlatPlacement(Kind.KDA_CONV, 0, 1, 512, 512)),
+    )
+    assert Placement.unpack(placement.pack()) == placement
+    assert placement.segments(Kind.KDA_CONV, 0, 0, 96) == [(1, 512, 512)]
+    too_far = Placement((Region(5, 77, 4096),), rows)
+    with pytest.raises(FrameError, match="beyond their region"):
+        Placement.unpack(too_far.pack())
+    with pytest.raises(FrameError, match="malformed placement"):
+        Placement.unpack(placement.pack()[:-3])
+
+
+def test_a_failed_placed_request_is_forgotten_only_once_its_sender_is_fenced():
+    table = RequestTable(fence_timeout_s=5.0)
+    expected = Expected(mla_layers=(0,), token_end=8, mla_row_shape=(4,))
+    table.add("r", sink=None, expected=expected, deadline_s=30)
+    table.open("r", conn_id=1)  # binds the request to connection 1
+    assert table.placed("r", 1, placement=None)
+    table.fail("r", "checksum mismatch")
+    fenced_at: list[float] = []
+
+    def fence_later() -> None:
+        time.sleep(0.2)
+        fenced_at.append(time.monotonic())
+        table.fence("r", conn_id=1)
+
+    threading.Thread(target=fence_later).start()
+    with pytest.raises(TransferError, match="checksum mismatch"):
+        table.wait_complete("r", timeout_s=0)
+    assert fenced_at and time.monotonic() >= fenced_at[0], "wait_complete returned before the fence"
+    assert len(table) == 0
+    impatient = RequestTable(fence_timeout_s=0.1)  # a sender that never answers: bounded wait
+    impatient.add("s", sink=None, expected=expected, deadline_s=30)
+    impatient.open("s", 2)
+    impatient.placed("s", 2, placement=None)
+    started = time.monotonic()
+    impatient.cancel("s")
+    assert 0.1 <= time.monotonic() - started < 2.0 and len(impatient) == 0
+
+
+def _shm_rx() -> Receiver:
+    return Receiver(TransferConfig(deadline_s=20.0), backends="shm")
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["direct", "ring"])
+def test_shm_writes_shared_destinations_directly_and_private_ones_through_the_ring(shared):
+    rx = _shm_rx()
+    try:
+        sink, expected = make_destination(shared=shared)
+        rx.expect("req-d", sink, expected)
+        tx = connect(rx.address)
+        try:
+            data = source(6)
+            send_chunks(tx, "req-d", data, LAYOUT.chunks)
+            send_states(tx, "req-d", data)
+            tx.finish("req-d", LAYOUT.num_units)
+        finally:
+            tx.close()
+        result = rx.wait_complete("req-d")
+        assert digest(received(sink)) == digest(data)
+        assert rx.frames_direct == (result.num_frames if shared else 0)
+        unused_pages = sorted(set(range(sink.pool.shape[1])) - set(sink.page_table.tolist()))
+        assert torch.isnan(sink.pool[:, unused_pages]).all(), "a direct write landed outside the request's pages"
+    finally:
+        rx.check_integrity()
+        rx.close()
+
+
+def test_corrupted_direct_write_fails_the_request_and_the_pages_serve_the_next_one(spawn):
+    rx = _shm_rx()
+    try:
+        sink, expected = make_destination()
+        rx.expect("req-bad", sink, expected)
+        peer = spawn(*_send_args(rx, "req-bad", "--corrupt-seq", "4"))
+        with pytest.raises(TransferError, match="checksum mismatch in MLA_ROWS request 'req-bad' seq 4.*directly"):
+            rx.wait_complete("req-bad")
+        assert "checksum mismatch" in peer.event("done")["error"]
+        assert rx.frames_direct > 0 and rx.num_pending == 0  # nothing of it is visible as a cache
+        # The decode worker frees and reuses those pages: the next request lands byte-exact.
+        rx.expect("req-next", sink, expected)
+        follow_up = spawn(*_send_args(rx, "req-next", "--seed", "8"))
+        rx.wait_complete("req-next")
+        assert follow_up.event("done")["error"] is None
+        assert digest(received(sink)) == digest(source(8))
+    finally:
+        rx.check_integrity()
+        rx.close()
+
+
+def test_cancel_returns_only_when_the_sender_writes_nothing_more(spawn):
+    rx = _shm_rx()
+    try:
+        sink, expected = make_destination()
+        rx.expect("req-cx", sink, expected)
+        peer = spawn(*_send_args(rx, "req-cx", "--scenario", "hold"))
+        peer.event("ready")
+        assert rx.frames_direct > 0
+        rx.cancel("req-cx")  # waits for the sender's REVOKED
+        sink.pool.fill_(-7.0)  # the pages go to someone else now
+        for table in (sink.kda_state, sink.kda_conv):
+            for tensor in table.values():
+                tensor.fill_(-7.0)
+        peer.tell("go")
+        assert "cancelled by the receiver" in peer.event("done")["error"]
+        assert (sink.pool == -7.0).all() and all((t == -7.0).all() for t in sink.kda_state.values())
+    finally:
+        rx.check_integrity()
+        rx.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to start a peer of another user")
+def test_shm_refuses_a_peer_of_another_user(spawn):
+    rx = _shm_rx()
+    try:
+        peer = spawn(*_send_args(rx, "intruder", "--as-uid", "65534"))
+        assert "connect failed" in peer.event("done")["error"]
+    finally:
+        rx.close()
+
+
+def test_contiguous_row_chunks_are_coalesced_into_fewer_frames(rx):
+    sink, expected = make_destination()
+    rx.expect("req-co", sink, expected)
+    data = source(9)
+    tx = connect(rx.address, TransferConfig(max_frame_bytes=1 << 20, max_inflight_bytes=8 << 20))
+    try:
+        for layer in LAYOUT.mla_layers:  # one layer at a time: 96 one-token chunks each
+            for t in range(LAYOUT.num_tokens):
+                tx.send("req-co", layer, Kind.MLA_ROWS, (t, t + 1), data["mla", layer][t : t + 1])
+        send_states(tx, "req-co", data)
+        tx.finish("req-co", LAYOUT.num_units)
+        frames_sent = tx.stats().frames_sent
+    finally:
+        tx.close()
+    result = rx.wait_complete("req-co")
+    assert digest(received(sink)) == digest(data)
+    rows_sent = len(LAYOUT.mla_layers) * LAYOUT.num_tokens
+    assert result.num_frames == frames_sent < rows_sent + 2 * len(LAYOUT.kda_layers)

@@ -5,6 +5,9 @@ seed; it imports no torch, so it starts fast. ``receive`` mode (imports torch) l
 the given requests into a page pool behind an optionally slow sink and reports a digest of
 what landed. Every report is one JSON line on stdout.
 
+``make_destination`` builds the page pool in shareable memory by default, as a decode worker's
+cache is, so shm senders write into it directly; ``shared=False`` keeps it private (the ring).
+
 Scenarios of ``send``:
   full    push every chunk and finish; report the verdict
   hold    push the first token chunk of every MLA layer, flush, report "ready", then wait for
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import threading
 import time
@@ -100,7 +104,13 @@ def run_send(args: argparse.Namespace) -> None:
     )
     faults = FaultInjection(corrupt_seq=args.corrupt_seq, truncate_seq=args.truncate_seq)
     data = source(args.seed)
-    tx = connect(args.address, config, faults=faults)
+    if args.as_uid is not None:  # a peer of another user (the test runs as root)
+        os.setuid(args.as_uid)
+    try:
+        tx = connect(args.address, config, faults=faults)
+    except TransferError as exc:
+        emit(event="done", error=f"connect failed: {exc}")
+        return
     error = None
     try:
         if args.scenario == "hold":
@@ -136,19 +146,23 @@ class SlowSink:
         self.inner.write(kind, layer, token_start, token_end, tensor)
 
 
-def make_destination(layout: Layout = LAYOUT):
-    """A page pool with a scrambled page table plus KDA tensors, and its Expected."""
+def make_destination(layout: Layout = LAYOUT, shared: bool = True):
+    """A page pool with a scrambled page table plus KDA tensors, and its Expected. ``shared``:
+    in shareable memory (as a decode worker's cache), so shm senders write into it directly;
+    otherwise private memory, reached through the shm ring."""
     import torch
 
     from kvstore.transfer import Expected, PagePoolSink
 
+    def alloc(shape, fill: float) -> torch.Tensor:
+        tensor = torch.full(shape, fill)
+        return tensor.share_memory_() if shared else tensor
+
     num_pages = layout.num_tokens // layout.block_size
-    pool = torch.full(
-        (len(layout.mla_layers), num_pages + 3, layout.block_size, layout.latent_dim), float("nan")
-    )
+    pool = alloc((len(layout.mla_layers), num_pages + 3, layout.block_size, layout.latent_dim), float("nan"))
     page_table = torch.randperm(num_pages + 3, generator=torch.Generator().manual_seed(7))[:num_pages]
-    state = {layer: torch.zeros(layout.kda_state_shape) for layer in layout.kda_layers}
-    conv = {layer: torch.zeros(layout.kda_conv_shape) for layer in layout.kda_layers}
+    state = {layer: alloc(layout.kda_state_shape, 0.0) for layer in layout.kda_layers}
+    conv = {layer: alloc(layout.kda_conv_shape, 0.0) for layer in layout.kda_layers}
     slots = {layer: i for i, layer in enumerate(sorted(layout.mla_layers))}
     sink = PagePoolSink(pool, page_table, slots, state, conv)
     expected = Expected(
@@ -214,6 +228,7 @@ def main() -> None:
     send.add_argument("--deadline-s", type=float, default=20.0)
     send.add_argument("--max-inflight-bytes", type=int, default=8 << 20)
     send.add_argument("--max-frame-bytes", type=int, default=1 << 20)
+    send.add_argument("--as-uid", type=int, help="drop to this uid before connecting")
     receive = sub.add_parser("receive")
     receive.add_argument("--backend", required=True)
     receive.add_argument("--rids", required=True)
