@@ -58,7 +58,8 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
 def add_replay_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("replay", help="replay a trace against a live cluster and write a report")
     add_trace_args(p)
-    p.add_argument("--endpoint", required=True, help="HOST:PORT of the Conductor")
+    p.add_argument("--endpoint", required=True, help="HOST:PORT of the Conductor (gRPC), or the OpenAI HTTP "
+                                                     "front's base URL, http://HOST:PORT/v1")
     p.add_argument("--max-concurrency", type=int, default=16, help="requests in flight at most")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per-request gRPC deadline")
     p.add_argument("--out", default="", help="report directory (default replay-<date>-<time>)")

@@ -1,6 +1,7 @@
 """Live replay: send ``ReplayRequest``s to a Conductor at their arrival times and record each one.
 
-``run_live_replay`` owns one gRPC channel (``conductor.client.Client``) and a pool of
+``run_live_replay`` owns one gRPC channel (``conductor.client.Client``; or, for an ``http://``
+endpoint, an HTTP client of the OpenAI front: ``replay.live_http``) and a pool of
 ``max_concurrency`` sender threads. The calling thread waits for each scheduled arrival (an
 ``Event`` wait, so Ctrl-C stops it at once) and hands the request to the pool; a request that
 finds every sender busy starts late, and its record shows both ``scheduled_s`` and the actual
@@ -32,6 +33,7 @@ import grpc
 
 from conductor.client import Client
 from proto import inference_pb2 as pb
+from replay.live_http import HttpSender, is_http
 from replay.progress import Progress
 from replay.records import CANCELLED, FAILED, FINISHED, REJECTED, RequestRecord
 from replay.report import write_report
@@ -218,8 +220,12 @@ def run_live_replay(trace_requests: ScaledTrace | Sequence[ReplayRequest], endpo
     if unmaterialised is not None:
         raise ValueError(f"request {unmaterialised} has no prompt tokens: apply_transform(..., materialise=True)")
     bar = Progress(len(requests), (progress_stream or sys.stderr) if progress else None)
-    client = Client(endpoint)
-    sender = _Sender(client, time.perf_counter(), timeout_s, uuid.uuid4().hex[:8], bar)
+    if is_http(endpoint):  # the OpenAI HTTP front's base URL
+        sender = HttpSender(endpoint, time.perf_counter(), timeout_s, uuid.uuid4().hex[:8], bar)
+        client = sender
+    else:
+        client = Client(endpoint)
+        sender = _Sender(client, time.perf_counter(), timeout_s, uuid.uuid4().hex[:8], bar)
     futures: list[Future | None] = [None] * len(requests)
     try:
         with ThreadPoolExecutor(max_concurrency, thread_name_prefix="replay") as pool:
