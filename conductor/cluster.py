@@ -58,10 +58,17 @@ class Cluster:
             if info.model_fingerprint != self.model_fingerprint or info.block_size != self.block_size:
                 return (f"worker {info.worker_id} serves model {info.model_fingerprint} with block size "
                         f"{info.block_size}; this cluster serves {self.model_fingerprint} with {self.block_size}")
+            old = self._endpoints.get(info.worker_id)
+            restarted = old is not None and (old.info.rpc_address, old.info.transfer_address) != (
+                info.rpc_address, info.transfer_address)
             ch = channel(info.rpc_address)
             is_prefill = info.role == ipb.WORKER_ROLE_PREFILL
             self._endpoints[info.worker_id] = Endpoint(
                 info, igrpc.PrefillStub(ch) if is_prefill else None, None if is_prefill else igrpc.DecodeStub(ch))
+        if restarted:  # a new process under a live id: what the old one held is not held now
+            log.warning("worker %s re-registered from %s (was %s): dropping its old blocks", info.worker_id,
+                        info.rpc_address, old.info.rpc_address)
+            self.index.remove(info.worker_id)
         self.index.register(WorkerInfo(info.worker_id, ROLE[info.role], info.rpc_address, info.num_pages_total,
                                        info.dram_capacity_bytes, info.ssd_capacity_bytes))
         log.info("registered %s %s at %s", ROLE[info.role], info.worker_id, info.rpc_address)

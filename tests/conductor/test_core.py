@@ -172,3 +172,25 @@ def test_bad_config_values_name_the_setting() -> None:
         parse_config(ConductorConfig, ["--policy", "nope"], {})
     with pytest.raises(SystemExit):
         parse_config(ConductorConfig, [], {"TIDEKV_POLICY": "mooncak"})
+
+
+def test_a_worker_restarted_under_its_id_loses_its_old_blocks() -> None:
+    from conductor.cluster import Cluster
+    from kvstore.blocks import Tier
+    from kvstore.index import BlockEvent
+    from proto import internal_pb2 as ipb
+
+    index = MemoryIndex(ttl_s=1e9)
+    cluster = Cluster(index)
+    info = ipb.WorkerInfo(worker_id="p0", role=ipb.WORKER_ROLE_PREFILL, rpc_address="127.0.0.1:1",
+                          transfer_address="tcp://127.0.0.1:2", model_fingerprint="fp", block_size=16)
+    assert cluster.register(info) is None
+    key = bytes(16)
+    index.apply([BlockEvent.stored("p0", key, Tier.DRAM, True)])
+    assert cluster.register(info) is None  # the same process again (a lost heartbeat): keeps its blocks
+    assert index.match([key]).get("p0").num_blocks_present == 1
+    moved = ipb.WorkerInfo()
+    moved.CopyFrom(info)
+    moved.rpc_address = "127.0.0.1:3"  # a new process under the same id
+    assert cluster.register(moved) is None
+    assert index.match([key]).get("p0").num_blocks_present == 0
