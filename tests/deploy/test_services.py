@@ -88,7 +88,7 @@ def test_roles_embedded_in_one_process(reference):
     conductor.start()
     workers: list[Service] = []
     try:
-        assert conductor.ready()
+        assert conductor.address and not conductor.ready()  # serving, but no worker of either role yet
         common = dict(conductor=conductor.address, block_size=BLOCK)
         workers = [build_prefill(PrefillConfig(worker_id="prefill-e", num_pages=256, **common)),
                    build_decode(DecodeConfig(worker_id="decode-e", num_pages=512, **common))]
@@ -96,6 +96,7 @@ def test_roles_embedded_in_one_process(reference):
             assert isinstance(w, Service) and not w.ready()
             w.start()
         wait_until(lambda: all(w.ready() for w in workers), 60, "both workers registered")
+        wait_until(conductor.ready, 10, "the Conductor ready with a worker of each role")
         assert {w.worker_id for w in registered(conductor.address)} == {"prefill-e", "decode-e"}
         check_exact(conductor.address, reference, [7, 40, 90])
         data_dir = workers[0].data_dir
