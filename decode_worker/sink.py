@@ -1,4 +1,9 @@
-"""Where received KV lands: a transfer sink over one request's pages and KDA slot."""
+"""Where received KV lands: a transfer sink over one request's pages and KDA slot.
+
+The engine keeps a CPU cache in shareable memory, so the sink also offers its pages as a direct
+placement: a prefill worker on the same host (shm) copies each chunk straight into them, once,
+and the receiver verifies it there before counting it (``kvstore.transfer.placement``).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ from kvstore.transfer.sinks import PagePoolSink
 
 def sink_for(cache: CacheManager, seq: SequenceCache) -> PagePoolSink:
     """Writes verified chunks straight into seq's reserved pages and its KDA slot (views into
-    the slot tensors). Runs on the receiver's I/O thread; touches only this request's memory."""
+    the slot tensors), or lets an shm sender write them there (verified in place). Runs on the
+    receiver's I/O thread; touches only this request's memory."""
     cfg = cache.cfg
     return PagePoolSink(
         cache.pool.kv,

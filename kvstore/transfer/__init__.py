@@ -15,9 +15,16 @@ Receiving side (decode worker)::
     rx.expect(rid, PagePoolSink(pool, page_table, ...), Expected(...))
     rx.wait_layer(rid, 0); result = rx.wait_complete(rid)   # TransferError on any failure
 
+Same host, ``shm`` copies each chunk once, straight into the receiver's pages when its sink
+lives in shareable memory (``base.DirectSink``; the engine's host cache does), and the receiver
+verifies it there before it counts; elsewhere it goes through a ring.
+
 Modules: ``frames`` (header layout, checksums), ``base`` (config, errors, interfaces),
-``stream`` (receiver bookkeeping), ``sender`` / ``receiver`` (the engine), ``wire`` /
-``tcp`` / ``shm`` / ``ucx`` (backends), ``ioloop`` (the I/O thread), ``sinks``.
+``progress`` / ``stream`` (receiver bookkeeping, fences), ``outgoing`` (queued frames,
+coalescing), ``sender`` / ``receiver`` (the engine), ``wire`` / ``tcp`` / ``shm`` / ``ring`` /
+``ucx`` (backends), ``placement`` / ``regions`` / ``direct`` (one-copy shm placement: the
+description, the receiver's shared memory, the sender's copy), ``ioloop`` (the I/O thread),
+``sinks``.
 """
 
 from kvstore.transfer.base import (

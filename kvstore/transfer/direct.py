@@ -87,8 +87,12 @@ def copy_with_checksum(algo: ChecksumAlgo, parts: Sequence[memoryview], targets:
             target = targets[index]
             take = min(len(source) - done, len(target) - offset, COPY_BLOCK_BYTES)
             block = source[done : done + take]
-            crc = checksum(algo, block, crc)
-            np.copyto(target[offset : offset + take], block)
+            if take < COPY_BLOCK_BYTES:  # a small part: keep the GIL (see above)
+                crc = checksum(algo, block, crc, hold_gil=True)
+                memoryview(target[offset : offset + take])[:] = memoryview(block)
+            else:
+                crc = checksum(algo, block, crc)
+                np.copyto(target[offset : offset + take], block)
             done += take
             offset += take
             if offset == len(target):

@@ -226,29 +226,8 @@ def unpack_header(buf: bytes | bytearray | memoryview) -> FrameHeader:
     """Parse and validate one header; raises ``FrameError`` naming what is wrong."""
     if len(buf) != HEADER_BYTES:
         raise FrameError(f"header is {len(buf)} bytes, expected {HEADER_BYTES}")
-    (
-        magic,
-        version,
-        kind,
-        dtype,
-        ndim,
-        algo,
-        rid_len,
-        flags,
-        layer,
-        seq,
-        t0,
-        t1,
-        s0,
-        s1,
-        s2,
-        s3,
-        body_bytes,
-        aux,
-        body_crc,
-        rid,
-        header_crc,
-    ) = _HEADER_STRUCT.unpack(buf)
+    (magic, version, kind, dtype, ndim, algo, rid_len, flags, layer, seq, t0, t1, s0, s1, s2, s3,
+     body_bytes, aux, body_crc, rid, header_crc) = _HEADER_STRUCT.unpack(buf)
     if magic != MAGIC:
         raise FrameError(f"bad frame magic {magic!r}, expected {MAGIC!r} (stream out of sync?)")
     if version != FRAME_VERSION:

@@ -50,7 +50,7 @@ class IoThread:
         self.loop.run_forever()
 
     def in_thread(self) -> bool:
-        return threading.current_thread() is self._thread
+        return threading.get_ident() == self._thread.ident
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)

@@ -238,7 +238,9 @@ class Sender:
         rid = item.header.request_id
         until = time.monotonic() + self.config.deadline_s
         with self._cond:
-            request = self._requests.setdefault(rid, _OutRequest())
+            request = self._requests.get(rid)
+            if request is None:
+                request = self._requests[rid] = _OutRequest()
             blocked = False
             while True:
                 self._raise_if_failed(request, rid)

@@ -15,10 +15,7 @@ connection the sender creates a ring file in /dev/shm (``config.shm_ring_bytes``
 it in HELLO, and the receiver maps it and unlinks the name at once, so a killed process leaks
 nothing once the handshake is done. The sender copies each body into a ring slot (``aux`` =
 offset); the receiver verifies it there and its sink copies it out (two copies); its ACK frees
-the slot. Slots are freed in sequence order, so the ring is a FIFO::
-
-    0                tail (oldest unacked)        head (next free)                 size
-    |  free (wraps)  |###### in flight ###########|     free                       |
+the slot (``ring.ShmRing``).
 
 The listener binds an abstract unix socket ``\\0tidekv-NAME`` (address ``shm://NAME``): no
 file to clean up, local to the host's network namespace. It admits only peers running as its
@@ -29,8 +26,6 @@ the I/O loop only.
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import logging
 import mmap
 import os
@@ -45,86 +40,23 @@ from kvstore.transfer.base import Address, Frame, LinkClosed, RecvLink, Transfer
 from kvstore.transfer.direct import PeerRegions, copy_with_checksum
 from kvstore.transfer.frames import FLAG_DIRECT, HEADER_BYTES, FrameError, FrameHeader, Kind, control_header
 from kvstore.transfer.placement import Placement
+from kvstore.transfer.ring import SHM_DIR, ShmRing
 from kvstore.transfer.tcp import StreamListener, serve_factory
 from kvstore.transfer.wire import FrameConnection, StreamRecvLink, StreamSendLink, seal
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 _HELLO = struct.Struct("<Q")  # ring size; followed by the ring file name
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 FLUSH_BYTES = 1 << 20  # batch headers until this many body bytes (or FLUSH_FRAMES frames) wait
 FLUSH_FRAMES = 64
 MAX_PLACEMENTS = 4096
 _UNASKED = object()
+_REVOKED = object()
 
 
 def _socket_path(name: str) -> str:
     return "\0tidekv-" + name
-
-
-class ShmRing:
-    """The sender's ring: allocation in FIFO order, freed by ACKs. I/O loop only."""
-
-    def __init__(self, size_bytes: int):
-        self.name = f"tidekv-ring-{os.getpid()}-{secrets.token_hex(6)}"
-        self.size_bytes = size_bytes
-        fd = os.open(os.path.join(SHM_DIR, self.name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, size_bytes)
-            self._map = mmap.mmap(fd, size_bytes)
-        finally:
-            os.close(fd)
-        self.array = np.frombuffer(self._map, dtype=np.uint8)
-        self._slots: collections.deque[tuple[int, int, int]] = collections.deque()  # (seq, offset, nbytes)
-        self._head = 0
-        self._freed = asyncio.Event()
-        self._closed_reason: str | None = None
-
-    def unlink(self) -> None:
-        # Usually the receiver has already unlinked it after mapping, as intended.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, self.name))
-
-    def _try_place(self, nbytes: int) -> int | None:
-        if not self._slots:
-            self._head = 0
-            return 0 if nbytes <= self.size_bytes else None
-        tail = self._slots[0][1]
-        if self._head >= tail:  # free space is [head, size) and [0, tail)
-            if self._head + nbytes <= self.size_bytes:
-                return self._head
-            return 0 if nbytes < tail else None
-        return self._head if self._head + nbytes < tail else None
-
-    def try_alloc(self, seq: int, nbytes: int) -> int | None:
-        """Offset of a free slot of ``nbytes``, or None while the ring is too full."""
-        offset = self._try_place(nbytes)
-        if offset is not None:
-            self._slots.append((seq, offset, nbytes))
-            self._head = offset + nbytes
-        return offset
-
-    async def alloc(self, seq: int, nbytes: int) -> int:
-        """Offset of a free slot of ``nbytes``; waits for ACKs while the ring is full."""
-        while (offset := self._try_place(nbytes)) is None:
-            if self._closed_reason is not None:
-                raise ConnectionError(self._closed_reason)
-            self._freed.clear()
-            await self._freed.wait()
-        self._slots.append((seq, offset, nbytes))
-        self._head = offset + nbytes
-        return offset
-
-    def release(self, seq: int) -> None:
-        """Free every slot up to frame ``seq`` (ACKs are cumulative)."""
-        while self._slots and self._slots[0][0] <= seq:
-            self._slots.popleft()
-            self._freed.set()
-
-    def fail(self, reason: str) -> None:
-        self._closed_reason = reason
-        self._freed.set()
 
 
 class ShmSendLink(StreamSendLink):
@@ -135,9 +67,10 @@ class ShmSendLink(StreamSendLink):
         self.ring = ring
         self._regions = PeerRegions(peer_pid)
         self._open_timeout_s = open_timeout_s
-        # request id -> its placement, None (use the ring: none given, or revoked), or the
-        # future of an OPEN still unanswered. Entries go at END/ABORT; MAX_PLACEMENTS bounds them.
-        self._placements: dict[str, Placement | None | asyncio.Future] = {}
+        # request id -> its placement, None (none given: use the ring), _REVOKED (the receiver
+        # failed it: use the ring), or the future of an OPEN still unanswered. Entries go at
+        # END/ABORT; MAX_PLACEMENTS bounds those of requests that failed before their END.
+        self._placements: dict[str, object] = {}
         self._batch: list[bytes] = []
         self._batch_bytes = 0
 
@@ -205,10 +138,10 @@ class ShmSendLink(StreamSendLink):
             except TimeoutError:
                 logger.warning("no PLACE for %r within %.3g s; using the ring", request_id, self._open_timeout_s)
                 self._placements[request_id] = None
-            return self._placements.get(request_id)
-        return state
+            state = self._placements.get(request_id)
+        return state if isinstance(state, Placement) else None
 
-    def _remember(self, request_id: str, state: Placement | None | asyncio.Future) -> None:
+    def _remember(self, request_id: str, state: object) -> None:
         self._placements[request_id] = state
         if len(self._placements) > MAX_PLACEMENTS:  # requests that failed before their END
             stale = [rid for rid, v in self._placements.items() if not isinstance(v, asyncio.Future)]
@@ -250,13 +183,18 @@ class ShmSendLink(StreamSendLink):
 
     def _revoke(self, request_id: str) -> None:
         """The receiver failed the request: stop writing into its placement and say so, after
-        the headers of frames already written (runs between two copies: one loop thread)."""
-        if isinstance(self._placements.get(request_id), Placement):
-            self._placements[request_id] = None
-            parts, self._batch, self._batch_bytes = self._batch, [], 0
-            parts.append(control_header(Kind.REVOKED, request_id).pack())
-            if not self.conn.closed.is_set() and not self.conn.transport.is_closing():
-                self.conn.transport.writelines(parts)
+        the headers of frames already written (this runs between two copies: one loop thread).
+        Answered once per request whatever we held, so the receiver never waits out its fence."""
+        state = self._placements.get(request_id)
+        if state is _REVOKED:
+            return
+        if isinstance(state, asyncio.Future) and not state.done():
+            state.set_result(None)
+        self._remember(request_id, _REVOKED)
+        parts, self._batch, self._batch_bytes = self._batch, [], 0
+        parts.append(control_header(Kind.REVOKED, request_id).pack())
+        if not self.conn.closed.is_set() and not self.conn.transport.is_closing():
+            self.conn.transport.writelines(parts)
 
     def _answer_all_opens(self) -> None:
         for rid, state in list(self._placements.items()):

@@ -48,7 +48,7 @@ from kvstore.transfer.frames import (
     unpack_header,
 )
 from kvstore.transfer.placement import FlatPlacement, Placement, Region, RowPlacement
-from kvstore.transfer.shm import ShmRing
+from kvstore.transfer.ring import ShmRing
 from kvstore.transfer.stream import RequestTable
 from tests.kvstore.transfer_peer import (
     LAYOUT,
