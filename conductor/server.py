@@ -12,7 +12,6 @@ than the workers serve, is an error naming it, never a silent default.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import threading
@@ -40,9 +39,9 @@ from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc as pgrpc
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
-from runtime.grpc_server import RunningServer, follow_readiness, start_server
-from runtime.metrics import MetricsServer, start_metrics
-from runtime.service import serve_until_signal
+from runtime.grpc_server import follow_readiness, start_server
+from runtime.metrics import start_metrics
+from runtime.service import ServiceBase, serve_until_signal
 from runtime.settings import parse_config
 
 log = logging.getLogger(__name__)
@@ -83,10 +82,6 @@ class InferenceService(pgrpc.InferenceServicer):
         self.tokenizer = engine.load_tokenizer(config.model)
         self.limits = config.limits
         self._seq = itertools.count()
-
-    @property
-    def outcomes(self):
-        return self.records.outcomes
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         try:
@@ -159,7 +154,7 @@ def build_core(config: ConductorConfig, cluster: Cluster, costs: CostModels, clo
     return ConductorCore(cluster, policy, config.slos, clock)
 
 
-class Conductor:
+class Conductor(ServiceBase):
     """The Conductor as an embeddable ``runtime.service.Service``: built from its config, it
     installs no signal handler and reads no environment. ``start`` loads the cost models
     (``CalibrationError`` naming a bad file), opens the index and serves ``Inference`` and
@@ -168,26 +163,10 @@ class Conductor:
     role = "conductor"
 
     def __init__(self, config: ConductorConfig, clock: Clock | None = None):
+        super().__init__()
         self.config = config
         self._clock = clock or SystemClock()
-        self._closing = contextlib.ExitStack()  # what start() made, closed in reverse by stop()
-        self.metrics = MetricsServer("")  # /metrics once started (address "" when off)
-        self._running: RunningServer | None = None
-        self._draining = False
         self.cluster: Cluster | None = None
-
-    @property
-    def address(self) -> str:
-        return "" if self._running is None else self._running.address
-
-    def start(self) -> None:
-        if self._running is not None:
-            raise RuntimeError("conductor already started")
-        try:
-            self._start()
-        except BaseException:
-            self.stop()  # a failed start leaves nothing behind
-            raise
 
     def _start(self) -> None:
         config = self.config
@@ -237,10 +216,6 @@ class Conductor:
             return
         self._draining = True
         self._running.stop(timeout_s)
-
-    def stop(self) -> None:
-        self._draining = True
-        self._closing.close()
 
 
 def build(config: ConductorConfig, clock: Clock | None = None) -> Conductor:

@@ -8,7 +8,6 @@ is cancelled and its cache freed.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import uuid
@@ -26,9 +25,9 @@ from proto import inference_pb2 as pb
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
 from proto.convert import sampling_from_proto
-from runtime.grpc_server import RunningServer, follow_readiness, start_server
-from runtime.metrics import Identity, MetricsServer, start_metrics
-from runtime.service import serve_until_signal
+from runtime.grpc_server import follow_readiness, start_server
+from runtime.metrics import Identity, start_metrics
+from runtime.service import ServiceBase, serve_until_signal
 from runtime.settings import parse_config, setup_torch
 from runtime.worker_link import WorkerLink
 
@@ -96,7 +95,7 @@ class DecodeService(igrpc.DecodeServicer):
                                num_live_requests=len(load.request_ids))
 
 
-class DecodeWorker:
+class DecodeWorker(ServiceBase):
     """The decode worker as an embeddable ``runtime.service.Service``: built from its config,
     it installs no signal handler and reads no environment; torch's process-wide settings
     (threads, denormals) are the embedding process's (``runtime.settings.setup_torch``)."""
@@ -105,34 +104,22 @@ class DecodeWorker:
 
     def __init__(self, config: DecodeConfig):
         config.require_conductor()
+        super().__init__()
         self.config = config
         self.worker_id = config.worker_id or f"decode-{uuid.uuid4().hex[:6]}"
-        self._closing = contextlib.ExitStack()  # what start() made, closed in reverse by stop()
-        self.metrics = MetricsServer("")  # /metrics once started (address "" when off)
-        self._running: RunningServer | None = None
         self._scheduler: DecodeScheduler | None = None
         self._link: WorkerLink | None = None
         self._transfer_address = ""
         self._listening = False
-        self._draining = False
 
     @property
-    def address(self) -> str:
-        return "" if self._running is None else self._running.address
+    def name(self) -> str:
+        return f"{self.role} worker {self.worker_id}"
 
     @property
     def transfer_address(self) -> str:
         """The KV receiver's advertised address ("" before start)."""
         return self._transfer_address
-
-    def start(self) -> None:
-        if self._running is not None:
-            raise RuntimeError(f"decode worker {self.worker_id} already started")
-        try:
-            self._start()
-        except BaseException:
-            self.stop()  # a failed start leaves nothing behind
-            raise
 
     def _start(self) -> None:
         cfg = self.config
@@ -175,8 +162,8 @@ class DecodeWorker:
         self._running.stop(timeout_s)
 
     def stop(self) -> None:
-        self._draining, self._listening = True, False
-        self._closing.close()
+        self._listening = False
+        super().stop()
 
 
 def build(config: DecodeConfig) -> DecodeWorker:

@@ -8,7 +8,6 @@ routes, and heartbeats carry the rest (evictions between requests).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import shutil
 import tempfile
@@ -28,9 +27,9 @@ from prefill_worker.transfers import TransferHub
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
 from proto.convert import block_event, sampling_from_proto
-from runtime.grpc_server import RunningServer, follow_readiness, start_server
-from runtime.metrics import Identity, MetricsServer, start_metrics
-from runtime.service import serve_until_signal
+from runtime.grpc_server import follow_readiness, start_server
+from runtime.metrics import Identity, start_metrics
+from runtime.service import ServiceBase, serve_until_signal
 from runtime.settings import parse_config, setup_torch
 from runtime.worker_link import WorkerLink
 
@@ -105,7 +104,7 @@ class PrefillService(igrpc.PrefillServicer):
         return sum(len(store.keys(t)) for t in store.tiers)
 
 
-class PrefillWorker:
+class PrefillWorker(ServiceBase):
     """The prefill worker as an embeddable ``runtime.service.Service``: built from its config,
     it installs no signal handler and reads no environment; torch's process-wide settings
     (threads, denormals) are the embedding process's (``runtime.settings.setup_torch``)."""
@@ -114,34 +113,22 @@ class PrefillWorker:
 
     def __init__(self, config: PrefillConfig):
         config.require_conductor()
+        super().__init__()
         self.config = config
         self.worker_id = config.worker_id or f"prefill-{uuid.uuid4().hex[:6]}"
         self.data_dir = config.data_dir
-        self._closing = contextlib.ExitStack()  # what start() made, closed in reverse by stop()
-        self.metrics = MetricsServer("")  # /metrics once started (address "" when off)
-        self._running: RunningServer | None = None
         self._runner: PrefillRunner | None = None
         self._link: WorkerLink | None = None
         self._transfer_address = ""
-        self._draining = False
 
     @property
-    def address(self) -> str:
-        return "" if self._running is None else self._running.address
+    def name(self) -> str:
+        return f"{self.role} worker {self.worker_id}"
 
     @property
     def transfer_address(self) -> str:
         """The KV transfer engine's advertised address ("" before start)."""
         return self._transfer_address
-
-    def start(self) -> None:
-        if self._running is not None:
-            raise RuntimeError(f"prefill worker {self.worker_id} already started")
-        try:
-            self._start()
-        except BaseException:
-            self.stop()  # a failed start leaves nothing behind
-            raise
 
     def _start(self) -> None:
         cfg = self.config
@@ -199,9 +186,6 @@ class PrefillWorker:
         self._runner.drain(timeout_s)
         self._running.stop(timeout_s)
 
-    def stop(self) -> None:
-        self._draining = True
-        self._closing.close()
 
 
 def build(config: PrefillConfig) -> PrefillWorker:

@@ -12,11 +12,15 @@ can be embedded: in a test process, in a Ray actor, or behind ``tidekv serve``. 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
+
+from runtime.grpc_server import RunningServer
+from runtime.metrics import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,45 @@ class Service(Protocol):
     def stop(self) -> None:
         """Releases everything (server, threads, transfer listeners, files it made). Calls still
         in flight are cancelled; call ``drain`` first for a graceful end. Idempotent."""
+
+
+class ServiceBase:
+    """The start and stop mechanics the three roles share. A role's ``_start`` builds its
+    parts and registers each one's cleanup on ``self._closing``; ``stop`` closes them in
+    reverse; a failed ``start`` stops at once, so it leaves nothing behind. ``address`` is the
+    gRPC server's advertised host:port once it serves ("" before)."""
+
+    role = ""
+
+    def __init__(self) -> None:
+        self._closing = contextlib.ExitStack()
+        self.metrics = MetricsServer("")  # /metrics once started (address "" when off)
+        self._running: RunningServer | None = None
+        self._draining = False
+
+    @property
+    def name(self) -> str:
+        return self.role
+
+    @property
+    def address(self) -> str:
+        return "" if self._running is None else self._running.address
+
+    def start(self) -> None:
+        if self._running is not None:
+            raise RuntimeError(f"{self.name} already started")
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        self._draining = True
+        self._closing.close()
 
 
 def wait_for_signal(announce: str = "") -> None:
