@@ -8,6 +8,7 @@ SIGKILL to whatever is left. Logs go to ``<data_dir>/logs/<name>.log``.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -62,6 +63,13 @@ class LocalCluster:
         self.metrics_port = free_port()  # the Conductor's /metrics; workers pick their own
         self.http_port = (config.http_port or free_port()) if config.http_port >= 0 else -1
         self.procs: dict[str, subprocess.Popen] = {}
+        # The cluster secret every member proves it knows (runtime.auth); made once per data dir.
+        self.secret_file = self.data_dir / "cluster.secret"
+        if not self.secret_file.exists():
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
 
     @property
     def http_url(self) -> str:
@@ -80,7 +88,8 @@ class LocalCluster:
     def _spawn(self, name: str, role: str, args: list[str], nice: int = 0) -> None:
         logs = self.data_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "TIDEKV_TORCH_THREADS": str(self.config.threads_per_process), **self.config.env}
+        env = {**os.environ, "TIDEKV_TORCH_THREADS": str(self.config.threads_per_process),
+               "TIDEKV_CLUSTER_SECRET_FILE": str(self.secret_file), **self.config.env}
         cmd = [sys.executable, "-m", "deploy.cli", "serve", "--role", role, *args]
         with open(logs / f"{name}.log", "w") as log:
             self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
