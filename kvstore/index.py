@@ -3,7 +3,7 @@
 This module owns the *contract* and its frozen value types; it holds no state. Two backends
 implement it: ``kvstore.index_memory.MemoryIndex`` (embedded in the Conductor) and
 ``kvstore.index_redis.RedisIndex`` (shared by several Conductors); ``FallbackIndex`` in
-``kvstore.index_redis`` answers from a local ``MemoryIndex`` while Redis is unreachable.
+``kvstore.index_fallback`` answers from a local ``MemoryIndex`` while Redis is unreachable.
 
 Semantics shared by every backend (the contract tests in ``tests/kvstore/test_index.py``):
 

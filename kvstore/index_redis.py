@@ -11,27 +11,35 @@ namespace share one view, and a restarted Conductor finds it intact. Schema:
 
 A worker is alive while ``ns:worker:<id>`` exists; Redis expires it when heartbeats stop,
 which hides its blocks from ``match`` at once. ``reap_expired`` (and a re-registration of
-the id) later deletes the dead worker's entries. Every operation is one Lua script, loaded
-once per server (``SCRIPT LOAD`` on first use, again after a server restart) and run with
+the id) later deletes the dead worker's entries. Every operation is one Lua script run with
 ``EVALSHA``: a match over any number of keys is one round trip and sees one consistent state.
+All scripts are loaded together (``SCRIPT LOAD``, one pipelined round trip) before this
+index's first call, so a later ``NOSCRIPT`` means the server lost its script cache: it was
+restarted (a server without persistence comes back empty), flushed or failed over. The index
+then loads them again and counts the loss in ``server_epoch``, which a mirror of the index
+(``FallbackIndex``) compares to notice that Redis forgot what it was told.
 
 Failures: ``redis.exceptions.ConnectionError``/``TimeoutError`` are retried with capped
-exponential backoff inside a short total budget, then raised as ``IndexUnavailable``.
+exponential backoff inside a short total budget, then raised as ``IndexUnavailable``; a call
+to a dead or hung server returns within about ``retry_budget_s`` plus one socket timeout.
 ``kvstore.index_fallback.FallbackIndex`` turns that into answers from a local ``MemoryIndex``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -151,6 +159,19 @@ end
 return reaped
 """
 
+# ARGV: ns, worker, info json, load json, ttl ms. Whatever Redis held for the worker is dropped
+# and it is alive with exactly this info and load (a resync then re-applies its blocks).
+_RESET = """
+local w = ARGV[2]
+local wk = ns .. ':worker:' .. w
+purge(w)
+redis.call('DEL', wk)
+redis.call('HSET', wk, 'info', ARGV[3], 'load', ARGV[4])
+redis.call('PEXPIRE', wk, ARGV[5])
+redis.call('SADD', ns .. ':workers', w)
+return 1
+"""
+
 # ARGV: ns. Returns (info json, load json) per alive worker.
 _WORKERS = """
 local out = {}
@@ -161,14 +182,23 @@ end
 return out
 """
 
+_BODIES = dict(apply=_APPLY, match=_MATCH, register=_REGISTER, heartbeat=_HEARTBEAT, remove=_REMOVE)
+_BODIES.update(reap=_REAP, workers=_WORKERS, reset=_RESET)
+_SCRIPTS = {name: _PRELUDE + body for name, body in _BODIES.items()} | {"ping": "return 1"}
+_SHAS = {name: hashlib.sha1(text.encode()).hexdigest() for name, text in _SCRIPTS.items()}
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RedisIndexConfig:
-    """Lease and failure handling. Worst case per call is about ``retry_budget_s`` + one timeout."""
+    """Lease and failure handling. Worst case per call is about ``retry_budget_s`` + one timeout.
+
+    ``socket_timeout_s`` bounds one reply of a connected but hung server; the largest script
+    (an apply of ``num_events_per_script`` events) takes milliseconds, far below it.
+    """
 
     ttl_s: float = 10.0
     connect_timeout_s: float = 0.25
-    socket_timeout_s: float = 1.0
+    socket_timeout_s: float = 0.5
     num_retries: int = 3
     backoff_base_s: float = 0.02
     backoff_cap_s: float = 0.2
@@ -192,7 +222,8 @@ class RedisIndexConfig:
 
 
 class RedisIndex(GlobalIndex):
-    """``GlobalIndex`` in Redis. Thread-safe: redis-py's pool gives each call its own connection."""
+    """``GlobalIndex`` in Redis. Thread-safe: redis-py's pool gives each call its own connection;
+    ``_scripts_lock`` guards only the loaded flag and ``server_epoch`` (never held over I/O)."""
 
     def __init__(
         self,
@@ -216,11 +247,15 @@ class RedisIndex(GlobalIndex):
             socket_timeout=self.config.socket_timeout_s,
             retry=Retry(NoBackoff(), 0),
         )
-        script = self._client.register_script
-        self._apply, self._match = script(_PRELUDE + _APPLY), script(_PRELUDE + _MATCH)
-        self._register, self._heartbeat = script(_PRELUDE + _REGISTER), script(_PRELUDE + _HEARTBEAT)
-        self._remove, self._reap = script(_PRELUDE + _REMOVE), script(_PRELUDE + _REAP)
-        self._workers = script(_PRELUDE + _WORKERS)
+        self._scripts_lock = threading.Lock()
+        self._scripts_loaded = False  # this index loaded every script on the server at least once
+        self._server_epoch = 0
+
+    @property
+    def server_epoch(self) -> int:
+        """How often the server was found without this index's scripts after loading them: each
+        count is a restart, flush or failover, after which Redis may have lost every key."""
+        return self._server_epoch
 
     def apply(self, events: Sequence[BlockEvent]) -> int:
         num_applied = 0
@@ -230,13 +265,13 @@ class RedisIndex(GlobalIndex):
             for event in events[start : start + step]:
                 value = "-" if event.tier is None else f"{int(event.tier)}:{int(event.has_snapshot)}"
                 args += (event.worker_id, event.key.hex(), value)
-            num_applied += self._call(lambda a=args: self._apply(args=a))
+            num_applied += self._call(lambda a=args: self._eval("apply", a))
         return num_applied
 
     def match(self, keys: Sequence[BlockKey]) -> MatchSnapshot:
         for key in keys:
             check_key(key)
-        flat = self._call(lambda: self._match(args=[self.namespace, *(k.hex() for k in keys)]))
+        flat = self._call(lambda: self._eval("match", [self.namespace, *(k.hex() for k in keys)]))
         matches = []
         for i in range(0, len(flat), 3):
             worker_id, num_usable, digits = flat[i], int(flat[i + 1]), flat[i + 2]
@@ -246,27 +281,61 @@ class RedisIndex(GlobalIndex):
 
     def register(self, worker: WorkerInfo) -> bool:
         args = [self.namespace, worker.worker_id, _to_json(worker), _to_json(WorkerLoad.initial(worker))]
-        return bool(self._call(lambda: self._register(args=[*args, self.config.ttl_ms])))
+        return bool(self._call(lambda: self._eval("register", [*args, self.config.ttl_ms])))
 
     def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
         args = [self.namespace, worker_id, _to_json(load), self.config.ttl_ms]
-        return bool(self._call(lambda: self._heartbeat(args=args)))
+        return bool(self._call(lambda: self._eval("heartbeat", args)))
 
     def workers(self) -> list[tuple[WorkerInfo, WorkerLoad]]:
-        flat = self._call(lambda: self._workers(args=[self.namespace]))
+        flat = self._call(lambda: self._eval("workers", [self.namespace]))
         pairs = [
             (_info_from_json(flat[i]), WorkerLoad.from_dict(json.loads(flat[i + 1]))) for i in range(0, len(flat), 2)
         ]
         return sorted(pairs, key=lambda pair: pair[0].worker_id)
 
     def remove(self, worker_id: str) -> bool:
-        return bool(self._call(lambda: self._remove(args=[self.namespace, worker_id])))
+        return bool(self._call(lambda: self._eval("remove", [self.namespace, worker_id])))
 
     def reap_expired(self) -> tuple[str, ...]:
-        return tuple(sorted(self._call(lambda: self._reap(args=[self.namespace]))))
+        return tuple(sorted(self._call(lambda: self._eval("reap", [self.namespace]))))
+
+    def reset_worker(self, worker: WorkerInfo, load: WorkerLoad) -> None:
+        """Make ``worker`` alive with exactly ``load`` and no blocks, dropping what Redis held
+        for it (its old blocks, a stale load). A resync then applies the blocks it holds."""
+        args = [self.namespace, worker.worker_id, _to_json(worker), _to_json(load), self.config.ttl_ms]
+        self._call(lambda: self._eval("reset", args))
+
+    def ping(self) -> None:
+        """One round trip (loading the scripts if the server lost them, which ``server_epoch``
+        then shows); raises ``IndexUnavailable`` like every other call."""
+        self._call(lambda: self._eval("ping", []))
 
     def close(self) -> None:
         self._client.close()
+
+    def _eval(self, name: str, args: Sequence[object]) -> Any:
+        """``EVALSHA`` of script ``name``; loads every script first on this index's first call
+        and again after a ``NOSCRIPT`` (then counted in ``server_epoch``)."""
+        if not self._scripts_loaded:
+            self._load_scripts(lost=False)
+        try:
+            return self._client.evalsha(_SHAS[name], 0, *args)
+        except NoScriptError:
+            self._load_scripts(lost=True)
+            return self._client.evalsha(_SHAS[name], 0, *args)
+
+    def _load_scripts(self, lost: bool) -> None:
+        """``lost``: after a ``NOSCRIPT``, so the server forgot scripts this index had loaded."""
+        pipe = self._client.pipeline(transaction=False)
+        for text in _SCRIPTS.values():
+            pipe.script_load(text)
+        pipe.execute()
+        with self._scripts_lock:
+            if lost:
+                self._server_epoch += 1
+                logger.info("redis %s had lost this index's scripts (restarted or flushed); reloaded", self.url)
+            self._scripts_loaded = True
 
     def _call(self, op: Callable[[], T]) -> T:
         """Run ``op``; retry connection failures with capped backoff; raise ``IndexUnavailable``."""

@@ -2,12 +2,14 @@
 
 ``redis_server`` is one server shared by the session (tests isolate themselves with unique
 namespaces); ``redis_server_factory`` starts private servers that a test may kill and
-restart. Every server runs without persistence in a temp dir and is always killed.
+restart, or pause (SIGSTOP: a hung server that accepts connections and never answers). Every
+server runs without persistence in a temp dir and is always killed.
 """
 
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +22,6 @@ from deploy.local import free_port
 
 REDIS_BINARY = "redis-server"
 START_TIMEOUT_S = 10.0
-
 
 
 class RedisServer:
@@ -64,6 +65,16 @@ class RedisServer:
             self._proc.kill()
             self._proc.wait(timeout=10)
             self._proc = None
+
+    def pause(self) -> None:
+        """SIGSTOP: the kernel still accepts connections, the server answers nothing."""
+        assert self._proc is not None, "not running"
+        self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after ``pause``: the server answers again with its state intact."""
+        assert self._proc is not None, "not running"
+        self._proc.send_signal(signal.SIGCONT)
 
 
 def _binary() -> str:
