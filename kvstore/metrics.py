@@ -1,5 +1,5 @@
 """The KV store's Prometheus metrics: hits and misses, evictions, demotions and promotions by
-tier, and scrape-time gauges of bytes, capacity and blocks per tier.
+tier, blocks found corrupt, and scrape-time gauges of bytes, capacity and blocks per tier.
 
 ``StoreMetrics(identity)`` is handed to ``TieredStore`` (``metrics=``), which counts lookups
 and passes it to its ``Placement`` for the moves. The ``tier`` label is the tier a block was
@@ -7,6 +7,10 @@ found in (hits) or leaves (evictions: made room in it; demotions: moved down out
 promotions: moved up out of it); misses have no tier. Labels also carry ``worker_id``,
 ``role``, ``model`` (``runtime.metrics.Identity``). A disabled instance records nothing.
 Thread-safe; the gauges take the store's lock for a moment at each scrape.
+
+``tidekv:kv_corruption_total{where}`` counts KV found corrupt and discarded: ``where="ssd"``
+a block file that failed verification (here), ``where="transfer"`` a frame that failed its
+checksum (``kvstore.transfer.metrics``); one family, defined once by ``corruption_counter``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,16 @@ from kvstore.blocks import Tier
 from runtime.metrics import IDENTITY_LABELS, PREFIX, Identity, family, scrape_collector, weak_source
 
 TIER_LABELS = {t: t.name.lower() for t in Tier}
+CORRUPTION_WHERE = ("transfer", "ssd")
+
+
+def corruption_counter(registry: CollectorRegistry | None, identity: Identity, where: str) -> Any:
+    """The ``tidekv:kv_corruption_total`` child of ``identity`` for ``where`` (transfer | ssd)."""
+    if where not in CORRUPTION_WHERE:
+        raise ValueError(f"corruption where={where!r}, expected one of {CORRUPTION_WHERE}")
+    fam = family(registry, Counter, "kv_corruption", "KV found corrupt (checksum mismatch) and discarded",
+                 (*IDENTITY_LABELS, "where"))
+    return fam.labels(**identity.labels, where=where)
 
 
 class StoreMetrics:
@@ -42,6 +56,7 @@ class StoreMetrics:
         self._promotions = per_tier("kv_promotions", "Blocks moved up on a hit, by the tier left")
         self._misses = family(registry, Counter, "kv_misses", "Block lookups that found nothing",
                               IDENTITY_LABELS).labels(**labels)
+        self._corrupt = corruption_counter(registry, identity, "ssd")
 
     @classmethod
     def disabled(cls) -> StoreMetrics:
@@ -51,6 +66,11 @@ class StoreMetrics:
         """A lookup found its block in ``tier`` (None: a miss)."""
         if self.enabled:
             (self._misses if tier is None else self._hits[tier]).inc()
+
+    def corrupt_on_ssd(self) -> None:
+        """A block file failed verification and was dropped."""
+        if self.enabled:
+            self._corrupt.inc()
 
     def evicted(self, tier: Tier) -> None:
         if self.enabled:

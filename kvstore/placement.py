@@ -145,9 +145,10 @@ class Placement:
         if tier is None:
             return None
         backend = self.tiers[tier]
+        has_snapshot = backend.ledger.has_snapshot(key)  # the tier forgets it if the read fails
         blob = backend.try_get(key)
         if blob is None:  # failed verification on SSD; the tier has deleted it
-            self.drop(key)
+            self.drop(key, has_snapshot)
             return None
         self.policies[tier].on_access(key)
         target = self._promotion_target(tier)
@@ -241,10 +242,12 @@ class Placement:
         self.tiers[tier].remove(key)
         self.policies[tier].on_remove(key)
 
-    def drop(self, key: BlockKey) -> None:
-        """Forget a present block everywhere and emit "removed"."""
+    def drop(self, key: BlockKey, has_snapshot: bool | None = None) -> None:
+        """Forget a present block everywhere and emit "removed" (``has_snapshot``: what the
+        block carried, when its tier has already forgotten it)."""
         tier = self.where.pop(key)
-        has_snapshot = self.tiers[tier].ledger.has_snapshot(key)
+        if has_snapshot is None:
+            has_snapshot = self.tiers[tier].ledger.has_snapshot(key)
         self._detach(key, tier)
         self._emit("removed", key, tier, has_snapshot)
 

@@ -9,7 +9,8 @@ Writes are crash-safe: the bytes go to a temp file in the same directory, are fs
 file is renamed over the final name (atomic on POSIX) and the directory is fsynced. A reader
 therefore sees either no file or a whole one; a SIGKILL or power cut leaves at most a temp
 file, which ``rescan`` deletes. Every read verifies the payload (header, lengths, CRC-32,
-model fingerprint); a file that fails is deleted and reported absent, never returned.
+model fingerprint); a file that fails is deleted, logged at WARNING naming the block, reported
+to ``on_corrupt`` (the store counts it) and reported absent, never returned.
 Sizes are file lengths in bytes. Not thread-safe: used under the store's lock.
 """
 
@@ -19,7 +20,7 @@ import contextlib
 import itertools
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from kvstore.blocks import KEY_BYTES, BlockKey, Tier
@@ -77,6 +78,8 @@ class SsdTier:
     ``model_fingerprint``: files for another model fail verification and are dropped.
     ``fsync=False`` keeps the temp-file + rename protocol (safe against a killed process)
     but skips the fsyncs (unsafe against power loss); for benchmarks and tests only.
+    ``on_corrupt(key)``: called (under the caller's lock; keep it quick) for each block file
+    that fails verification, on a read or a rescan, after the file is deleted.
     """
 
     tier = Tier.SSD
@@ -87,8 +90,10 @@ class SsdTier:
         capacity_bytes: int,
         model_fingerprint: str,
         fsync: bool = True,
+        on_corrupt: Callable[[BlockKey], None] | None = None,
     ) -> None:
         self.directory = Path(directory)
+        self._on_corrupt = on_corrupt
         self.directory.mkdir(parents=True, exist_ok=True)
         self.ledger = TierLedger("ssd", capacity_bytes)
         self.model_fingerprint = model_fingerprint
@@ -201,8 +206,11 @@ class SsdTier:
                 raise PayloadError(f"short read: {num_read} of {len(data)} bytes")
             verify(data, self.model_fingerprint)
         except PayloadError as e:
-            logger.warning("ssd: dropping corrupt block file %s: %s", name, e)
+            logger.warning("ssd: block %s is corrupt on disk (%s): file %s deleted, block dropped",
+                           key.hex(), e, self.path_of(key))
             self._unlink(name)
+            if self._on_corrupt is not None:
+                self._on_corrupt(key)
             return None
         return data
 

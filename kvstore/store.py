@@ -11,8 +11,12 @@ Locking: one ``threading.Lock`` guards every public method, tier I/O included (s
 SSD write delays other callers). ``on_event`` callbacks run under that lock, in the order
 the changes happen; a callback must be quick (enqueue) and must not call the store.
 
+Corruption: every SSD read is verified; a block that fails is dropped (a "removed" event)
+and reads as a miss, so callers recompute it.
+
 Metrics (``kvstore.metrics.StoreMetrics``, optional): lookups by tier and misses here,
-evictions, demotions and promotions in ``Placement``; the gauges read ``tier_usage()``.
+evictions, demotions and promotions in ``Placement``, SSD blocks found corrupt (the SSD
+tier reports them); the gauges read ``tier_usage()``.
 """
 
 from __future__ import annotations
@@ -96,7 +100,8 @@ class TieredStore:
         if config.ssd_capacity_bytes:
             assert config.ssd_dir is not None
             tiers[Tier.SSD] = SsdTier(
-                config.ssd_dir, config.ssd_capacity_bytes, config.model_fingerprint, config.ssd_fsync
+                config.ssd_dir, config.ssd_capacity_bytes, config.model_fingerprint, config.ssd_fsync,
+                on_corrupt=lambda key: self.metrics.corrupt_on_ssd(),
             )
         if not tiers:
             raise ValueError("a store needs at least one tier: give DRAM or SSD capacity, or a device tier")
@@ -206,8 +211,10 @@ class TieredStore:
 
     def try_get(self, key: BlockKey) -> BlockPayload | None:
         """The block (tensors owned by the caller), or None when absent or found corrupt on
-        SSD (then dropped). A hit counts as an access and promotes an unpinned block found
-        below ``config.promote_to`` (when room can be made there)."""
+        SSD: then its file is deleted, the block dropped everywhere (a "removed" event, so
+        the global index forgets it), counted (``kv_corruption_total{where="ssd"}``) and
+        logged; the caller recomputes it. A hit counts as an access and promotes an unpinned
+        block found below ``config.promote_to`` (when room can be made there)."""
         with self._lock:
             blob = self._lookup(key)
             return None if blob is None else as_payload(blob)

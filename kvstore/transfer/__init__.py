@@ -19,12 +19,15 @@ Same host, ``shm`` copies each chunk once, straight into the receiver's pages wh
 lives in shareable memory (``base.DirectSink``; the engine's host cache does), and the receiver
 verifies it there before it counts; elsewhere it goes through a ring.
 
+Connections authenticate: with ``TransferConfig.auth_key`` set on both ends, every
+connection of every backend starts with a mutual HMAC challenge-response (``auth``).
+
 Modules: ``frames`` (header layout, checksums), ``base`` (config, errors, interfaces),
-``progress`` / ``stream`` (receiver bookkeeping, fences), ``outgoing`` (queued frames,
-coalescing), ``sender`` / ``receiver`` (the engine), ``wire`` / ``tcp`` / ``shm`` / ``ring`` /
-``ucx`` (backends), ``placement`` / ``regions`` / ``direct`` (one-copy shm placement: the
-description, the receiver's shared memory, the sender's copy), ``ioloop`` (the I/O thread),
-``sinks``.
+``auth`` (the connection handshake), ``progress`` / ``stream`` (receiver bookkeeping,
+fences), ``outgoing`` (queued frames, coalescing), ``sender`` / ``receiver`` (the engine),
+``wire`` / ``tcp`` / ``shm`` / ``ring`` / ``ucx`` (backends), ``placement`` / ``regions`` /
+``direct`` (one-copy shm placement: the description, the receiver's shared memory, the
+sender's copy), ``ioloop`` (the I/O thread), ``sinks``, ``metrics``.
 """
 
 from kvstore.transfer.base import (

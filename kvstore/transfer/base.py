@@ -14,6 +14,7 @@ from kvstore.transfer.frames import ChecksumAlgo, DType, FrameHeader, Kind, defa
 
 MIB = 1 << 20
 SCHEMES = ("shm", "tcp", "ucx")
+MIN_AUTH_KEY_BYTES = 16
 
 
 class TransferError(RuntimeError):
@@ -38,6 +39,12 @@ class TransferConfig:
     handed over but the receiver has not yet consumed. ``fence_timeout_s`` bounds how long
     ``wait_complete``/``cancel`` of a failed request written directly over shm wait for the
     sender to confirm it stopped writing (see ``stream``).
+
+    ``auth_key``: when non-empty, every connection is mutually authenticated before any
+    other frame (HMAC-SHA256 challenge-response, ``auth``); a peer that fails, stalls past
+    ``connect_timeout_s`` or sends anything else first is disconnected and nothing it sent
+    reaches a sink. Both ends need the same key: a key on one side only fails the
+    connection. Never printed (``repr=False``).
     """
 
     deadline_s: float = 30.0
@@ -50,6 +57,7 @@ class TransferConfig:
     checksum: ChecksumAlgo = field(default_factory=default_checksum_algo)
     # UCX options for ucxx.init (without the UCX_ prefix); the default keeps UCX on loopback TCP.
     ucx_options: tuple[tuple[str, str], ...] = (("TLS", "tcp"), ("NET_DEVICES", "lo"))
+    auth_key: bytes = field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
         if self.deadline_s <= 0 or self.connect_timeout_s <= 0:
@@ -58,6 +66,8 @@ class TransferConfig:
             raise ValueError(
                 f"need 0 < max_frame_bytes ({self.max_frame_bytes}) <= max_inflight_bytes ({self.max_inflight_bytes})"
             )
+        if self.auth_key and len(self.auth_key) < MIN_AUTH_KEY_BYTES:
+            raise ValueError(f"auth_key has {len(self.auth_key)} bytes; a key needs at least {MIN_AUTH_KEY_BYTES}")
 
     @property
     def shm_ring_bytes(self) -> int:

@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     _crc32c = None
 
 MAGIC = b"TKV1"
-FRAME_VERSION = 2
+FRAME_VERSION = 3  # 3: every stream connection opens with the AUTH exchange (``auth``)
 MAX_NDIM = 4
 REQUEST_ID_MAX_BYTES = 64
 FLAG_INLINE_BODY = 0x01
@@ -71,10 +71,13 @@ class Kind(enum.IntEnum):
     HELLO = 18  # connection handshake; body = backend-specific bytes
     OPEN = 19  # sender asks where the request's chunks may be written directly (shm); answered by PLACE
     REVOKED = 20  # sender will write nothing more into the request's placement (answers an ERROR)
+    AUTH = 21  # connection authentication, both ways, before any other frame; body: see ``auth``
+    SYNC = 22  # sender asks for a SYNCED once the receiver has processed every earlier frame
     ACK = 32  # receiver consumed every data frame up to `seq` (cumulative)
     ERROR = 33  # receiver failed the request; body = utf-8 reason
     DONE = 34  # receiver holds the complete request
     PLACE = 35  # answer to OPEN; body = packed placement.Placement, or empty for "use the ring"
+    SYNCED = 36  # answer to SYNC (same seq): every frame before it has been processed
 
     @property
     def is_data(self) -> bool:

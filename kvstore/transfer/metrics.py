@@ -1,6 +1,8 @@
 """The transfer engine's Prometheus metrics, counted at the frame level: body bytes and data
 frames by backend and direction, per-request transfer seconds (sender side: first frame
-queued to the receiver's verdict), checksum failures and aborted transfers.
+queued to the receiver's verdict), checksum failures (also counted as
+``tidekv:kv_corruption_total{where="transfer"}``, the store's corruption family), aborted
+transfers, and connections that failed the authentication handshake (``auth``).
 
 Senders and receivers are built deep inside the workers (``connect``, ``TransferHub``), so
 they need no metrics object: by default they report to the process context set by
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from kvstore.metrics import corruption_counter
 from runtime.metrics import IDENTITY_LABELS, TRANSFER_BUCKETS, Identity, ProcessMetrics, family, process_metrics
 
 DIRECTIONS = ("send", "recv")
@@ -34,6 +37,10 @@ class LinkMetrics:
                                 "Frames whose body failed its checksum", names).labels(**labels)
         self._aborted = family(registry, Counter, "transfer_aborted", "Requests aborted by the sender",
                                names).labels(**labels)
+        self._auth = family(registry, Counter, "transfer_auth_failures",
+                            "Connections dropped because the peer failed the authentication handshake",
+                            names).labels(**labels)
+        self._corruption = corruption_counter(registry, identity, "transfer")
         self._seconds = family(registry, Histogram, "transfer_seconds",
                                "One request's transfer, first frame queued to the receiver's verdict",
                                names, buckets=TRANSFER_BUCKETS).labels(**labels)
@@ -44,9 +51,13 @@ class LinkMetrics:
 
     def checksum_failure(self) -> None:
         self._checksum.inc()
+        self._corruption.inc()
 
     def aborted(self) -> None:
         self._aborted.inc()
+
+    def auth_failure(self) -> None:
+        self._auth.inc()
 
     def transferred(self, seconds: float) -> None:
         self._seconds.observe(seconds)
@@ -60,6 +71,9 @@ class _NoLink:
         pass
 
     def aborted(self) -> None:
+        pass
+
+    def auth_failure(self) -> None:
         pass
 
     def transferred(self, seconds: float) -> None:
@@ -95,6 +109,9 @@ class ProcessLink:
 
     def aborted(self) -> None:
         self._current().aborted()
+
+    def auth_failure(self) -> None:
+        self._current().auth_failure()
 
     def transferred(self, seconds: float) -> None:
         self._current().transferred(seconds)

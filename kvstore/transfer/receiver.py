@@ -12,7 +12,9 @@ completed or failed) is read, dropped, acknowledged (so the sender's in-flight b
 logged once, and answered with an ERROR frame naming the reason; the sender fails that request.
 Any later failure of a request (checksum, misfit, sink rejection, deadline, cancel) is also
 sent back as an ERROR on its connection. Frames are acknowledged (cumulatively) only after the
-sink has copied them, so the sender's ``max_inflight_bytes`` also bounds what waits here.
+sink has copied them, so the sender's ``max_inflight_bytes`` also bounds what waits here. A
+SYNC is answered (SYNCED) when it is reached: every earlier frame of its connection has been
+handled by then.
 
 Direct chunks (FLAG_DIRECT): an OPEN from an shm peer is answered with the request's placement
 (PLACE) and binds the request to that connection. Each direct chunk is admitted like any other
@@ -232,6 +234,8 @@ class Receiver:
             self._on_open(link, conn_id, header.request_id)
         elif header.kind == Kind.REVOKED:
             self._table.fence(header.request_id, conn_id)
+        elif header.kind == Kind.SYNC:  # frames are handled in order: all before it are done
+            link.reply(control_header(Kind.SYNCED, "", seq=header.seq))
         else:
             raise FrameError(f"unexpected {header.describe()} from a sender")
 

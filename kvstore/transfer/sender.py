@@ -14,6 +14,8 @@ with ``TransferError`` after ``config.deadline_s``.
 Ownership: the sender keeps a reference to the tensor and reads its memory from the I/O thread
 until the frame is written; do not modify it in place before ``flush`` or ``finish`` returns.
 Every request ends with ``finish`` or ``abort`` (also after a TransferError), which forgets it.
+``sync`` (and ``abort(..., wait_s=)``) waits until the receiver has handled every frame sent
+before it, so a retry under the same request id cannot meet frames of the failed attempt.
 
 Metrics (``kvstore.transfer.metrics``, the process context): frames and bytes written,
 the seconds from a request's first frame to its verdict, aborts.
@@ -72,11 +74,14 @@ def connect(
     io: IoThread | None = None,
     faults: FaultInjection | None = None,
 ) -> Sender:
-    """Open a sender to a receiver's ``address`` (``tcp://``, ``shm://`` or ``ucx://``)."""
+    """Open a sender to a receiver's ``address`` (``tcp://``, ``shm://`` or ``ucx://``);
+    TransferError when it cannot connect or the peers do not authenticate each other."""
     config = config or TransferConfig()
     io = io or IoThread.shared()
     parsed = Address.parse(address)
-    link = io.run(get_backend(parsed.scheme).connect(parsed, config), config.connect_timeout_s * 2)
+    # Each of the backend's steps is bounded by connect_timeout_s: the connect, the auth
+    # exchange and (shm, ucx) the HELLO; this outer bound only catches a hung loop.
+    link = io.run(get_backend(parsed.scheme).connect(parsed, config), config.connect_timeout_s * 4)
     return Sender(link, address, config, io, faults or FaultInjection())
 
 
@@ -98,6 +103,7 @@ class Sender:
         self._frames_sent = 0
         self._bytes_sent = 0
         self._next_seq = 1
+        self._synced_seq = 0  # highest SYNC the receiver has answered
         self._failure: str | None = None
         # Frames handed to the writer, in seq order (None: close). Caller threads append under
         # _cond; the writer is woken (one call into the loop) only when it waits for work, so a
@@ -192,18 +198,47 @@ class Sender:
         self._cond.wait(remaining)
         return True
 
-    def abort(self, request_id: str, reason: str) -> None:
-        """Give up on a request; the receiver fails it with ``reason``. Does not wait."""
+    def abort(self, request_id: str, reason: str, wait_s: float = 0.0) -> None:
+        """Give up on a request; the receiver fails it with ``reason``. Never raises for a
+        request that has already failed (its usual caller: a prefill that got a TransferError)
+        and forgets the request. With ``wait_s`` > 0 it then waits (``sync``, at most
+        ``wait_s``) until the receiver has handled the ABORT and every frame before it, so
+        nothing of this attempt can reach a request the receiver expects under the same id
+        later (a retry); otherwise it does not wait."""
         payload = reason.encode()[:4096]
         with self._cond:
+            # Forget its failure first: a request that failed would refuse the ABORT frame.
+            self._requests.pop(request_id, None)
             if self._failure is not None:
-                self._requests.pop(request_id, None)
                 return
         header = control_header(Kind.ABORT, checked_id(request_id), payload=payload)
         self._metrics.aborted()
-        self._enqueue(Outgoing(header, payload=payload), 0)
+        try:
+            self._enqueue(Outgoing(header, payload=payload), 0)
+        except TransferError as exc:  # the connection failed meanwhile: nothing more reaches the receiver
+            logger.debug("abort of %r not sent: %s", request_id, exc)
         with self._cond:
             self._requests.pop(request_id, None)
+        if wait_s > 0 and not self.sync(wait_s) and not self.failed:
+            logger.warning("abort of %r: %s did not confirm it within %.3g s", request_id, self.address, wait_s)
+
+    def sync(self, timeout_s: float | None = None) -> bool:
+        """Block until the receiver has handled every frame queued before this call (a SYNC,
+        answered in order). False when the connection failed or ``timeout_s`` (default
+        ``config.deadline_s``) passed first."""
+        if self._io.in_thread():
+            raise RuntimeError("Sender.sync blocks; call it from a worker thread, not the I/O thread")
+        until = time.monotonic() + (self.config.deadline_s if timeout_s is None else timeout_s)
+        with self._cond:
+            if self._failure is not None:
+                return False
+            item = Outgoing(control_header(Kind.SYNC, ""), payload=b"", seq=self._next_seq)
+            self._next_seq += 1
+            self._hand_over(item)
+            while self._synced_seq < item.seq:
+                if self._failure is not None or not self._wait_until(until):
+                    return False
+            return True
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Write out queued frames, then close gracefully (see ``StreamSendLink.shutdown``);
@@ -358,6 +393,8 @@ class Sender:
                 request.error = f"receiver {self.address} failed request {header.request_id!r}: {payload.decode()}"
             elif header.kind == Kind.DONE and request is not None:
                 request.done = True
+            elif header.kind == Kind.SYNCED:
+                self._synced_seq = max(self._synced_seq, header.seq)
             elif header.kind not in (Kind.ACK, Kind.ERROR, Kind.DONE):
                 logger.warning("unexpected reply %s from %s", header.describe(), self.address)
             self._cond.notify_all()

@@ -18,9 +18,10 @@ offset); the receiver verifies it there and its sink copies it out (two copies);
 the slot (``ring.ShmRing``).
 
 The listener binds an abstract unix socket ``\\0tidekv-NAME`` (address ``shm://NAME``): no
-file to clean up, local to the host's network namespace. It admits only peers running as its
-own user (``SO_PEERCRED``), who could read and write its memory through /proc anyway. Runs on
-the I/O loop only.
+file to clean up, local to the host's network namespace. Like every stream connection it
+starts with the authentication exchange of ``auth`` (before the ring HELLO); then it admits
+only peers running as its own user (``SO_PEERCRED``), who could read and write its memory
+through /proc anyway. Runs on the I/O loop only.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
+from kvstore.transfer.auth import connection_factory, prove_to
 from kvstore.transfer.base import Address, Frame, LinkClosed, RecvLink, TransferConfig, TransferError
 from kvstore.transfer.direct import PeerRegions, copy_with_checksum
 from kvstore.transfer.frames import FLAG_DIRECT, HEADER_BYTES, FrameError, FrameHeader, Kind, control_header
@@ -292,7 +294,7 @@ class ShmBackend:
         async def make_link(conn: FrameConnection) -> RecvLink:
             return await _accept(conn, config)
 
-        factory = serve_factory(config, make_link, on_link, tasks)
+        factory = serve_factory(config, self.scheme, make_link, on_link, tasks)
         server = await asyncio.get_running_loop().create_unix_server(factory, path=_socket_path(name))
         return StreamListener(str(Address("shm", name=name)), server, tasks)
 
@@ -305,10 +307,15 @@ class ShmBackend:
                 # uvloop cannot connect to an abstract path itself; a connected socket it can adopt.
                 await loop.sock_connect(sock, _socket_path(address.name))
                 peer_pid = _peer_credentials(sock)[0]
-                _, conn = await loop.create_unix_connection(lambda: FrameConnection(config.max_frame_bytes), sock=sock)
+                _, conn = await loop.create_unix_connection(connection_factory(config), sock=sock)
         except (OSError, TimeoutError) as exc:
             sock.close()
             raise TransferError(f"cannot connect to {address}: {exc!r}") from exc
+        try:
+            await prove_to(conn, config, str(address))
+        except BaseException:
+            conn.close()
+            raise
         ring = ShmRing(config.shm_ring_bytes)
         try:
             await _handshake(conn, ring, config)

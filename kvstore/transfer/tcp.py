@@ -3,7 +3,8 @@
 Bodies leave straight from the tensor's memory (``writelines`` of a memoryview) and land in the
 receiving connection's staging buffer via ``recv_into`` (``wire.FrameConnection``); the sink
 then copies them into the destination. Listeners bind ``config.bind_host`` (127.0.0.1 by
-default). Runs on the I/O loop only.
+default). Every stream connection, of this backend and of shm and ucx (``serve_factory``,
+``open_tcp``), starts with the authentication exchange of ``auth``. Runs on the I/O loop only.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
+from kvstore.transfer.auth import accept_peer, connection_factory, prove_to
 from kvstore.transfer.base import Address, RecvLink, TransferConfig, TransferError
 from kvstore.transfer.frames import FrameError
 from kvstore.transfer.wire import FrameConnection, StreamRecvLink, StreamSendLink
@@ -46,13 +48,18 @@ class StreamListener:
 
 def serve_factory(
     config: TransferConfig,
+    scheme: str,
     make_link: Callable[[FrameConnection], Awaitable[RecvLink]],
     on_link: Callable[[RecvLink], Awaitable[None]],
     tasks: set[asyncio.Task],
 ):
-    """Protocol factory for a listener: each accepted connection runs ``on_link(make_link(conn))``."""
+    """Protocol factory for a listener: each accepted connection authenticates its peer
+    (``auth.accept_peer``; a peer that fails is dropped there), then runs
+    ``on_link(make_link(conn))``."""
 
     async def accept(conn: FrameConnection) -> None:
+        if not await accept_peer(conn, config, scheme):
+            return
         try:
             link = await make_link(conn)
         except (TransferError, FrameError, OSError, TimeoutError) as exc:
@@ -66,7 +73,7 @@ def serve_factory(
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    return lambda: FrameConnection(config.max_frame_bytes, on_connected)
+    return connection_factory(config, on_connected)
 
 
 async def _plain_link(conn: FrameConnection) -> RecvLink:
@@ -79,7 +86,7 @@ class TcpBackend:
 
     async def listen(self, config: TransferConfig, on_link: Callable[[RecvLink], Awaitable[None]]) -> StreamListener:
         tasks: set[asyncio.Task] = set()
-        factory = serve_factory(config, _plain_link, on_link, tasks)
+        factory = serve_factory(config, self.scheme, _plain_link, on_link, tasks)
         server = await asyncio.get_running_loop().create_server(factory, config.bind_host, 0)
         host, port = server.sockets[0].getsockname()[:2]
         return StreamListener(str(Address("tcp", host=config.advertise_host or host, port=port)), server, tasks)
@@ -90,14 +97,18 @@ class TcpBackend:
 
 
 async def open_tcp(address: Address, config: TransferConfig) -> FrameConnection:
-    """Connect a FrameConnection to ``address.host:port`` within ``config.connect_timeout_s``."""
+    """Connect a FrameConnection to ``address.host:port`` and authenticate both ends
+    (``auth.prove_to``), each within ``config.connect_timeout_s``; TransferError otherwise."""
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(config.connect_timeout_s):
-            transport, conn = await loop.create_connection(
-                lambda: FrameConnection(config.max_frame_bytes), address.host, address.port
-            )
+            transport, conn = await loop.create_connection(connection_factory(config), address.host, address.port)
     except (OSError, TimeoutError) as exc:
         raise TransferError(f"cannot connect to {address}: {exc!r}") from exc
     tune_socket(transport)
+    try:
+        await prove_to(conn, config, str(address))
+    except BaseException:
+        conn.close()
+        raise
     return conn

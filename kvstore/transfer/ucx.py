@@ -1,9 +1,10 @@
 """UCX backend through ucxx: headers over a TCP control connection, bodies as UCX tag messages.
 
 The receiver listens on a TCP control port (``config.bind_host``, 127.0.0.1 by default; UCX's
-own sockaddr listener would bind every interface, so it is not used). On connect it sends a
-HELLO carrying its UCX worker address and a per-connection tag prefix; the sender opens a UCX
-endpoint to that worker address. Each data frame's header goes over TCP and its body as one
+own sockaddr listener would bind every interface, so it is not used). On connect, after the
+authentication exchange of ``auth`` on that control connection, it sends a HELLO carrying
+its UCX worker address and a per-connection tag prefix; the sender opens a UCX endpoint to
+that worker address. Each data frame's header goes over TCP and its body as one
 tag message ``tag = prefix << 32 | seq`` from the tensor's memory; the receiver posts the
 matching tag receive as soon as the header arrives (UCX holds early messages). Both sides
 pipeline: several bodies are in flight at once, bounded by the sender's in-flight credit.
@@ -239,7 +240,7 @@ class UcxBackend:
             conn.transport.writelines((control_header(Kind.HELLO, "", payload=payload).pack(), payload))
             return UcxRecvLink(conn, prefix, config)
 
-        factory = serve_factory(config, make_link, on_link, tasks)
+        factory = serve_factory(config, self.scheme, make_link, on_link, tasks)
         server = await asyncio.get_running_loop().create_server(factory, config.bind_host, 0)
         host, port = server.sockets[0].getsockname()[:2]
         return StreamListener(str(Address("ucx", host=config.advertise_host or host, port=port)), server, tasks)

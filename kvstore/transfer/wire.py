@@ -136,6 +136,12 @@ class FrameConnection(asyncio.BufferedProtocol):
         self._body_view = memoryview(self._staging)[: header.body_bytes]
         self._body_header = header
 
+    def limit_body_bytes(self, max_body_bytes: int) -> None:
+        """Largest inline body accepted from now on (a larger one fails the connection); the
+        auth handshake keeps it tiny until the peer has authenticated, so an unauthenticated
+        peer cannot make us allocate a frame's staging buffer."""
+        self._max_frame_bytes = max_body_bytes
+
     def release(self) -> None:
         """The consumer is done with the last inline body; parse what was read behind it, resume."""
         if self._holding:
@@ -212,6 +218,12 @@ class FrameConnection(asyncio.BufferedProtocol):
         if self.transport is not None and not self.transport.is_closing():
             self._closing = True
             self.transport.close()
+
+    def abort(self) -> None:
+        """Drop the connection at once: unsent writes are discarded, nothing more is read."""
+        if self.transport is not None:
+            self._closing = True
+            self.transport.abort()
 
 
 def seal(header: FrameHeader, parts: Sequence[memoryview], corrupt: bool) -> tuple[FrameHeader, Sequence[memoryview]]:

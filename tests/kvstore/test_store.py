@@ -1,8 +1,10 @@
 """TieredStore: exact placement, demotion, promotion, pins and events at tiny sizes; SSD
-verification and restart; and a contract test run over every registered eviction policy."""
+verification (a corrupt block is dropped, published as removed, counted and logged) and
+restart; and a contract test run over every registered eviction policy."""
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from collections.abc import Iterator
@@ -10,12 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from kvstore.blocks import BlockKey, Tier, block_key, chain_keys
 from kvstore.device import DeviceTier, SimplePagePool
 from kvstore.eviction import POLICIES
+from kvstore.metrics import StoreMetrics
 from kvstore.payload import BlockPayload, PayloadError, encode, encoded_nbytes, make_random_payload
 from kvstore.store import StoreConfig, StoreEvent, TieredStore
+from runtime.metrics import Identity
 
 FP = "kimi-linear-tiny"
 D, M, S = Tier.DEVICE, Tier.DRAM, Tier.SSD
@@ -253,6 +258,36 @@ def test_corrupt_ssd_file_is_dropped_on_read(make_store, events: Recorder, tmp_p
     assert store.try_get(KEYS[0]) is None
     assert not store.contains(KEYS[0]) and not path.exists()
     assert events.take() == [("stored", 0, S), ("removed", 0, S)]
+
+
+def test_corrupt_ssd_block_is_counted_logged_published_and_can_be_stored_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    registry = CollectorRegistry()
+    identity = Identity("prefill-t", "prefill", "tiny")
+    seen: list[StoreEvent] = []
+    config = StoreConfig(FP, dram_capacity_bytes=BLOCK_BYTES, ssd_capacity_bytes=4 * SNAPSHOT_BYTES,
+                         ssd_dir=str(tmp_path / "ssd"))
+    with TieredStore(config, on_event=seen.append, metrics=StoreMetrics(identity, registry)) as store:
+        assert store.put(KEYS[0], payload(0, snapshot=True))  # larger than DRAM: lands on SSD
+        assert store.tier_of(KEYS[0]) == S
+        path = tmp_path / "ssd" / f"{KEYS[0].hex()}.blk"
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # inside the tensor sections
+        path.write_bytes(data)
+        with caplog.at_level(logging.WARNING, logger="kvstore.ssd"):
+            assert store.try_get(KEYS[0]) is None
+        assert f"block {KEYS[0].hex()} is corrupt on disk" in caplog.text
+        # The index learns the block is gone, with what it carried.
+        assert seen[-1] == StoreEvent("removed", KEYS[0], S, has_snapshot=True)
+        labels = {**identity.labels, "where": "ssd"}
+        assert registry.get_sample_value("tidekv:kv_corruption_total", labels) == 1
+        assert store.match(KEYS[:1]).num_blocks == 0 and not path.exists()
+        store.check_integrity()
+        assert store.put(KEYS[0], payload(0, snapshot=True))  # recomputed by the caller, stored again
+        assert store.try_get(KEYS[0]).same_as(payload(0, snapshot=True))
+        assert registry.get_sample_value("tidekv:kv_corruption_total", labels) == 1
+        store.check_integrity()
 
 
 def test_restart_rescans_ssd_and_republishes(make_store, events: Recorder) -> None:

@@ -3,8 +3,10 @@
 Mechanism tests pin the frame layout, the receiver's bookkeeping, the shm ring and direct
 placements (segments, wire form, the fence) at tiny sizes. Contract tests run over every
 available backend (shm, tcp, and ucx when ucxx imports) with the two ends in different
-processes (``transfer_peer.py``): byte-exact layerwise delivery, corruption, truncation, a
-killed peer on either side, backpressure, deadlines and the rejection of unexpected requests.
+processes (``transfer_peer.py``): byte-exact layerwise delivery, corruption (and the same
+request id sent again after an abort, as a retry does), truncation, a killed peer on either
+side, backpressure, deadlines and the rejection of unexpected requests. Authentication is in
+``test_transfer_auth.py``.
 The shm tests at the end pin the one-copy path: a destination in shareable memory is written
 directly and verified there, a corrupted direct write leaves no cache, a cancelled request's
 memory is not written after ``cancel`` returns, and peers of another user are refused. Child
@@ -14,16 +16,9 @@ processes are always killed at teardown, and every receiver must end with no pen
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import queue
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,13 +26,13 @@ import torch
 
 from kvstore.transfer import (
     Expected,
+    FaultInjection,
     Kind,
     Receiver,
     TransferConfig,
     TransferError,
     connect,
     pick_address,
-    ucx_unavailable_reason,
 )
 from kvstore.transfer.frames import (
     HEADER_BYTES,
@@ -59,16 +54,8 @@ from tests.kvstore.transfer_peer import (
     send_states,
     source,
 )
+from tests.kvstore.transfer_support import BACKENDS
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-PEER_SCRIPT = Path(__file__).with_name("transfer_peer.py")
-EVENT_TIMEOUT_S = 30.0
-_UCX_SKIP = ucx_unavailable_reason()
-BACKENDS = [
-    "shm",
-    "tcp",
-    pytest.param("ucx", marks=pytest.mark.skipif(_UCX_SKIP is not None, reason=f"ucx: {_UCX_SKIP}")),
-]
 CHUNK_BYTES = LAYOUT.chunk_tokens * LAYOUT.latent_dim * 4
 
 
@@ -180,69 +167,9 @@ def test_pick_address_prefers_shm_on_the_same_host():
 # ---- contract tests over every backend, across processes ------------------------------------
 
 
-class Peer:
-    """A ``transfer_peer.py`` child; its JSON lines arrive on ``events``. Killed at teardown."""
-
-    def __init__(self, *args: str):
-        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - lives as long as the child
-        python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": python_path}
-        self.proc = subprocess.Popen(
-            [sys.executable, str(PEER_SCRIPT), *args],
-            cwd=REPO_ROOT,
-            env=env,
-            text=True,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-        )
-        self.events: queue.Queue[dict] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self.events.put(json.loads(line))
-
-    def event(self, name: str) -> dict:
-        try:
-            event = self.events.get(timeout=EVENT_TIMEOUT_S)
-        except queue.Empty:
-            self._stderr.seek(0)
-            pytest.fail(f"peer sent no {name!r} event; stderr:\n{self._stderr.read()[-4000:]}")
-        assert event["event"] == name, event
-        return event
-
-    def tell(self, line: str) -> None:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def close(self) -> None:
-        self.kill()
-        self._stderr.close()
-
-
 @pytest.fixture(params=BACKENDS)
 def backend(request) -> str:
     return request.param
-
-
-@pytest.fixture
-def spawn():
-    peers: list[Peer] = []
-
-    def start(*args: str) -> Peer:
-        peers.append(Peer(*args))
-        return peers[-1]
-
-    yield start
-    for peer in peers:
-        peer.close()
 
 
 @pytest.fixture
@@ -279,6 +206,34 @@ def test_corrupted_chunk_fails_with_checksum_mismatch(rx, spawn):
     with pytest.raises(TransferError, match="checksum mismatch in MLA_ROWS request 'req-c' seq 2"):
         rx.wait_complete("req-c")
     assert "checksum mismatch" in peer.event("done")["error"]
+
+
+def test_a_failed_request_id_can_be_sent_again_after_abort(rx):
+    """What a Conductor retry does: the first attempt fails (a corrupted frame), the sender
+    aborts it and waits for the receiver, which expects the same id again on the same
+    connection; nothing of the first attempt reaches the second, which lands byte-exact."""
+    sink, expected = make_destination()
+    rx.expect("retry", sink, expected)
+    data = source(13)
+    tx = connect(rx.address, TransferConfig(deadline_s=20.0), faults=FaultInjection(corrupt_seq=2))
+    try:
+        with pytest.raises(TransferError, match="checksum mismatch in MLA_ROWS request 'retry' seq 2"):
+            send_chunks(tx, "retry", data, LAYOUT.chunks)
+            send_states(tx, "retry", data)
+            tx.finish("retry", LAYOUT.num_units)
+        tx.abort("retry", "attempt 1 failed", wait_s=10.0)  # no raise: the request had failed
+        with pytest.raises(TransferError, match="checksum mismatch"):
+            rx.wait_complete("retry")
+        sink2, expected2 = make_destination()
+        rx.expect("retry", sink2, expected2)
+        send_chunks(tx, "retry", data, LAYOUT.chunks)
+        send_states(tx, "retry", data)
+        tx.finish("retry", LAYOUT.num_units)
+        assert tx.sync(10.0) and not tx.failed
+    finally:
+        tx.close()
+    rx.wait_complete("retry")
+    assert digest(received(sink2)) == digest(data)
 
 
 def test_truncated_frame_fails_clearly(rx, spawn):

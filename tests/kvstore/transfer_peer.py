@@ -3,7 +3,8 @@
 ``send`` mode connects to a receiver and pushes one request of the shared layout built from a
 seed; it imports no torch, so it starts fast. ``receive`` mode (imports torch) listens, expects
 the given requests into a page pool behind an optionally slow sink and reports a digest of
-what landed. Every report is one JSON line on stdout.
+what landed. Both take ``--auth-key HEX`` (``TransferConfig.auth_key``). Every report is one
+JSON line on stdout.
 
 ``make_destination`` builds the page pool in shareable memory by default, as a decode worker's
 cache is, so shm senders write into it directly; ``shared=False`` keeps it private (the ring).
@@ -101,6 +102,7 @@ def run_send(args: argparse.Namespace) -> None:
         deadline_s=args.deadline_s,
         max_inflight_bytes=args.max_inflight_bytes,
         max_frame_bytes=args.max_frame_bytes,
+        auth_key=bytes.fromhex(args.auth_key),
     )
     faults = FaultInjection(corrupt_seq=args.corrupt_seq, truncate_seq=args.truncate_seq)
     data = source(args.seed)
@@ -191,7 +193,7 @@ def received(sink, layout: Layout = LAYOUT) -> dict[tuple[str, int], np.ndarray]
 def run_receive(args: argparse.Namespace) -> None:
     from kvstore.transfer import Receiver
 
-    config = TransferConfig(deadline_s=args.deadline_s)
+    config = TransferConfig(deadline_s=args.deadline_s, auth_key=bytes.fromhex(args.auth_key))
     rx = Receiver(config, backends=args.backend)
     sinks = {}
     for rid in args.rids.split(","):
@@ -229,11 +231,13 @@ def main() -> None:
     send.add_argument("--max-inflight-bytes", type=int, default=8 << 20)
     send.add_argument("--max-frame-bytes", type=int, default=1 << 20)
     send.add_argument("--as-uid", type=int, help="drop to this uid before connecting")
+    send.add_argument("--auth-key", default="", help="TransferConfig.auth_key, hex")
     receive = sub.add_parser("receive")
     receive.add_argument("--backend", required=True)
     receive.add_argument("--rids", required=True)
     receive.add_argument("--sink-delay-s", type=float, default=0.0)
     receive.add_argument("--deadline-s", type=float, default=20.0)
+    receive.add_argument("--auth-key", default="", help="TransferConfig.auth_key, hex")
     args = parser.parse_args()
     run_send(args) if args.mode == "send" else run_receive(args)
 
