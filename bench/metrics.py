@@ -42,6 +42,7 @@ from decode_worker.scheduler import DecodeScheduler, Finished
 from engine.sampler import SamplingParams
 from kvstore.index_memory import MemoryIndex
 from proto import internal_pb2 as ipb
+from runtime.auth import CONDUCTOR, Member, worker_principal
 from runtime.metrics import Identity, TenantLabels, start_metrics
 from runtime.settings import setup_torch
 
@@ -120,12 +121,13 @@ class _InstantDispatcher:
 
 
 def conductor_core(config: ConductorConfig) -> ConductorCore:
-    cluster = Cluster(MemoryIndex(ttl_s=3600))
+    cluster = Cluster(MemoryIndex(ttl_s=3600), Member(b"in-process" * 8, CONDUCTOR))
     fp = engine.load_model("tiny").fingerprint
     for worker_id, role in (("prefill-0", ipb.WORKER_ROLE_PREFILL), ("decode-0", ipb.WORKER_ROLE_DECODE)):
         cluster.register(ipb.WorkerInfo(worker_id=worker_id, role=role, rpc_address="127.0.0.1:1",
                                         transfer_address="tcp://127.0.0.1:1", model_fingerprint=fp, block_size=16,
-                                        num_pages_total=100_000))
+                                        num_pages_total=100_000, instance_id="i" * 32),
+                         worker_principal(worker_id))
         cluster.heartbeat(worker_id, ipb.WorkerLoad(num_free_pages=100_000, timestamp_s=time.time()), [])
     policy = make_policy(config.policy, PolicyContext(config.routing, tiny_cpu_estimate()))
     return ConductorCore(cluster, policy, config.slos, SystemClock())

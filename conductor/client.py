@@ -6,9 +6,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import grpc
+
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc as pgrpc
-from runtime.grpc_server import channel
+from runtime.grpc_server import TlsFiles, channel
 
 
 @dataclass
@@ -35,9 +37,26 @@ class Completion:
         return n / (self.total_s - self.ttft_s) if n > 0 and self.total_s > self.ttft_s else 0.0
 
 
+class _Bearer(grpc.UnaryStreamClientInterceptor):
+    """Adds the API key to every Generate call (gRPC's own call credentials need TLS)."""
+
+    def __init__(self, api_key: str):
+        self._header = ("authorization", f"Bearer {api_key}")
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(details._replace(metadata=(*(details.metadata or ()), self._header)), request)
+
+
+def public_channel(endpoint: str, api_key: str = "", tls_ca: str = "") -> grpc.Channel:
+    """A channel to a Conductor's public endpoint: TLS verified against ``tls_ca`` when given,
+    every call carrying ``authorization: Bearer <api_key>`` when given."""
+    ch = channel(endpoint, TlsFiles(ca=tls_ca) if tls_ca else None)
+    return grpc.intercept_channel(ch, _Bearer(api_key)) if api_key else ch
+
+
 class Client:
-    def __init__(self, endpoint: str):
-        self._channel = channel(endpoint)
+    def __init__(self, endpoint: str, api_key: str = "", tls_ca: str = ""):
+        self._channel = public_channel(endpoint, api_key, tls_ca)
         self.stub = pgrpc.InferenceStub(self._channel)
 
     def close(self) -> None:

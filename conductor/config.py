@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from conductor.admission import AdmissionConfig
 from conductor.validation import Limits
+from runtime.grpc_server import TlsFiles
 
 ADMISSION_MODES = ("predictive", "early", "none")
 MAX_METRICS_TENANTS = 50  # each allowed tenant multiplies the per-tenant series
@@ -117,6 +118,16 @@ class ConductorConfig:
     tenant_slos: tuple[str, ...] = field(default=(), metadata={"help": "per-tenant SLOs: TENANT=TTFT_S/TBT_S,..."})
     max_prefill_attempts: int = field(default=2, metadata={"help": "tries of a prefill that fails before "
                                                                    "anything reached the client"})
+    # 60 s: well above the longest prompt's prefill behind a usual queue on one CPU worker, so
+    # it catches a worker that stopped, not one that is busy; a predicting policy (mooncake)
+    # raises it to 4x its predicted TTFT, queue included (conductor.dispatch.prefill_timeout_s).
+    # Under a policy that predicts nothing, queues deeper than this need a higher floor.
+    prefill_timeout_s: float = field(default=60.0, metadata={
+        "help": "a prefill attempt unanswered for max(this, 4x the predicted TTFT) is cancelled as stalled "
+                "and retried on another worker (0: only the request's deadline bounds it)"})
+    max_decode_migrations: int = field(default=2, metadata={
+        "help": "times a request whose decode worker is lost mid-stream moves to another decode worker "
+                "(prefilling prompt + the tokens sent) before it fails"})
     admission_mode: str = field(default="predictive", metadata={
         "help": "mooncake decode admission: predictive (load when the request reaches decode), early "
                 "(load now), none", "choices": lambda: ADMISSION_MODES})
@@ -131,6 +142,19 @@ class ConductorConfig:
     pull_from_peers: bool = field(default=True, metadata={
         "help": "let a prefill worker pull a deeper prefix from another worker (off: local reuse only)"})
     drain_timeout_s: float = field(default=30.0, metadata={"help": "SIGTERM: finish in-flight requests this long"})
+    api_keys: str = field(default="", metadata={"help": "JSON file of API key digests and their tenants "
+                                                        "(`tidekv apikey add`); reloaded when it changes"})
+    insecure_no_auth: bool = field(default=False, metadata={
+        "help": "serve the public endpoint WITHOUT API keys, trusting each request's tenant (demos only)"})
+    cluster_secret_file: str = field(default="", metadata={"help": "file with the secret every cluster member "
+                                                                   "shares (required; `tidekv secret --out FILE`)"})
+    tls_cert: str = field(default="", metadata={"help": "PEM certificate: serve gRPC over TLS (with --tls-key)"})
+    tls_key: str = field(default="", metadata={"help": "PEM private key of --tls-cert"})
+    tls_ca: str = field(default="", metadata={"help": "PEM CA: dial workers over TLS, verified against it"})
+    max_request_bytes: int = field(default=8 << 20, metadata={
+        "help": "largest gRPC message accepted (gRPC refuses a larger one before reading it)"})
+    max_prompt_bytes: int = field(default=1 << 20, metadata={"help": "longest prompt text in UTF-8 bytes, "
+                                                                     "checked before tokenization"})
 
     def __post_init__(self) -> None:
         if self.worker_ttl_s <= self.heartbeat_interval_s or self.heartbeat_interval_s <= 0:
@@ -138,6 +162,9 @@ class ConductorConfig:
                              f"< worker_ttl_s ({self.worker_ttl_s})")
         if self.max_prefill_attempts < 1:
             raise ValueError(f"max_prefill_attempts {self.max_prefill_attempts} < 1")
+        if self.prefill_timeout_s < 0 or self.max_decode_migrations < 0:
+            raise ValueError(f"prefill_timeout_s {self.prefill_timeout_s} and max_decode_migrations "
+                             f"{self.max_decode_migrations} must be >= 0")
         if self.max_queue_wait_s < 0:
             raise ValueError(f"max_queue_wait_s {self.max_queue_wait_s} < 0")
         if not -1 <= self.metrics_port < 65536:
@@ -145,6 +172,12 @@ class ConductorConfig:
         if len(self.metrics_tenants) > MAX_METRICS_TENANTS:
             raise ValueError(f"metrics_tenants lists {len(self.metrics_tenants)} tenants; at most "
                              f"{MAX_METRICS_TENANTS} keep the tenant label bounded")
+        if self.api_keys and self.insecure_no_auth:
+            raise ValueError("api_keys and insecure_no_auth contradict each other: give one")
+        if not 0 < self.max_prompt_bytes < self.max_request_bytes:
+            raise ValueError(f"need 0 < max_prompt_bytes ({self.max_prompt_bytes}) "
+                             f"< max_request_bytes ({self.max_request_bytes})")
+        self.tls  # noqa: B018
         self.slos  # noqa: B018 - parse the SLOs now: a bad entry fails at start, naming it
         self.routing  # noqa: B018
         self.admission  # noqa: B018
@@ -164,7 +197,12 @@ class ConductorConfig:
 
     @property
     def limits(self) -> Limits:
-        return Limits(max_prompt_tokens=self.max_prompt_tokens, max_new_tokens=self.max_new_tokens)
+        return Limits(max_prompt_tokens=self.max_prompt_tokens, max_new_tokens=self.max_new_tokens,
+                      max_prompt_bytes=self.max_prompt_bytes)
+
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
     @property
     def admission(self) -> AdmissionConfig:

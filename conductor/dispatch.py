@@ -4,13 +4,17 @@ The lifecycle decides (``conductor.core``), then hands each step to a dispatcher
 the decode worker, prefill (which pulls the planned prefix from its holder when the plan
 names one, and streams KV to the decode worker), decode, release. The live Conductor's
 dispatcher speaks gRPC (``conductor.grpc_dispatch``); the simulator's runs in-process. A
-step that fails raises ``DispatchError`` with a typed ``FailureKind``; whether to try again
-elsewhere is the pure ``should_retry``.
+step that fails raises ``DispatchError`` with a typed ``FailureKind``. What the lifecycle does
+about a failure is decided here by pure rules: ``should_retry`` (route a failed prefill again
+elsewhere), ``should_migrate`` (move a request whose decode worker was lost mid-stream) and
+``prefill_timeout_s`` (how long one prefill attempt may go unanswered before it counts as
+stalled).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,9 +31,18 @@ class FailureKind(enum.StrEnum):
     CANCELLED = "cancelled"  # the client went away
     REFUSED = "refused"  # the worker refused the call as malformed or out of order
     INTERNAL = "internal"  # anything else
+    STALLED = "stalled"  # no answer within the attempt's own bound (a hung worker), before the deadline
 
 
-RETRYABLE = frozenset({FailureKind.UNAVAILABLE, FailureKind.BUSY, FailureKind.TRANSFER})
+RETRYABLE = frozenset({FailureKind.UNAVAILABLE, FailureKind.BUSY, FailureKind.TRANSFER, FailureKind.STALLED})
+# A decode stream broken by the worker (it died, is unreachable, or failed the request itself);
+# not by the request (its deadline, the client leaving, a call out of order).
+MIGRATABLE = frozenset({FailureKind.UNAVAILABLE, FailureKind.TRANSFER, FailureKind.INTERNAL})
+# A prefill attempt may take this many times the policy's predicted TTFT before it counts as
+# stalled. The prediction (mooncake's) already holds the queue the request joined and the
+# worker's observed slowdown (conductor.speed), so a working worker stays well inside it; one
+# that takes four times as long has most likely stopped.
+STALL_SLACK = 4.0
 
 
 class DispatchError(Exception):
@@ -45,6 +58,23 @@ def should_retry(kind: FailureKind, attempt: int, max_attempts: int, cancelled: 
     return not cancelled and attempt < max_attempts and kind in RETRYABLE
 
 
+def should_migrate(kind: FailureKind, num_migrations: int, max_migrations: int, cancelled: bool) -> bool:
+    """Move a request whose decode stream broke mid-way to another decode worker (prefilling
+    prompt + the tokens already sent)? While the client is still there, migrations remain
+    (``num_migrations`` done so far), and the worker broke the stream, not the request."""
+    return not cancelled and num_migrations < max_migrations and kind in MIGRATABLE
+
+
+def prefill_timeout_s(floor_s: float, predicted_ttft_s: float) -> float:
+    """Seconds one prefill attempt may go unanswered before it is cancelled as ``STALLED`` and
+    retried elsewhere: ``max(floor_s, STALL_SLACK * predicted_ttft_s)`` (a policy that predicts
+    nothing gives 0: the floor alone); ``math.inf`` when ``floor_s`` is 0 (only the request's
+    deadline bounds it). The caller caps it at the deadline."""
+    if floor_s < 0 or predicted_ttft_s < 0:
+        raise ValueError(f"prefill_timeout_s: floor_s {floor_s} and predicted_ttft_s {predicted_ttft_s} must be >= 0")
+    return max(floor_s, STALL_SLACK * predicted_ttft_s) if floor_s > 0 else math.inf
+
+
 @dataclass(frozen=True)
 class PrefillCall:
     request_id: str
@@ -53,7 +83,8 @@ class PrefillCall:
     num_reuse_blocks: int
     holder_worker: str | None  # pull the reused prefix from this worker (it is kept: a replica)
     decode_transfer_address: str
-    deadline_s: float
+    deadline_s: float  # seconds left of the request's deadline (the worker's bound too)
+    timeout_s: float = math.inf  # this attempt's bound: past it the call ends as STALLED (prefill_timeout_s)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 Maps gRPC status codes onto ``FailureKind`` in one place (``failure_kind``), converts block
 events on the Prefill response to index events, and cancels in-flight calls through the
-lifecycle's cancel hooks.
+lifecycle's cancel hooks. A prefill past its attempt's bound (``PrefillCall.timeout_s``)
+before the request's deadline is ``STALLED``. A plan that pulls a prefix carries the
+Conductor's grant for it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from conductor.dispatch import CancelHook, DecodeChunk, DispatchError, FailureKi
 from engine.sampler import SamplingParams
 from proto import internal_pb2 as ipb
 from proto.convert import FINISH_NAMES, block_event_from_proto, sampling_to_proto
+from runtime.auth import grant
 
 log = logging.getLogger(__name__)
 
@@ -60,23 +63,39 @@ class GrpcDispatcher:
 
     def prefill(self, prefill_worker: str, call: PrefillCall, sampling: SamplingParams,
                 on_cancel: CancelHook) -> PrefillResult:
-        holder_addr = self.cluster.endpoint(call.holder_worker).info.rpc_address if call.holder_worker else ""
         request = ipb.PrefillRequest(
             request_id=call.request_id, token_ids=call.token_ids, sampling=sampling_to_proto(sampling),
             block_keys=call.block_keys, decode_transfer_address=call.decode_transfer_address,
-            deadline_s=call.deadline_s,
-            reuse=ipb.ReusePlan(num_blocks=call.num_reuse_blocks, holder_worker_id=call.holder_worker or "",
-                                holder_rpc_address=holder_addr, keep=True))
-        future = self.cluster.endpoint(prefill_worker).prefill.Prefill.future(request, timeout=call.deadline_s)
+            deadline_s=call.deadline_s, reuse=self._reuse_plan(prefill_worker, call))
+        bounded = call.timeout_s < call.deadline_s  # the attempt's own bound ends it before the deadline
+        future = self.cluster.endpoint(prefill_worker).prefill.Prefill.future(
+            request, timeout=min(call.deadline_s, call.timeout_s))
         on_cancel(future.cancel)
         try:
             resp = future.result()
         except grpc.RpcError as e:
+            if bounded and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise DispatchError(FailureKind.STALLED, prefill_worker,
+                                    f"prefill unanswered after {call.timeout_s:.1f} s (the worker hangs or is "
+                                    f"far slower than predicted); cancelled") from e
             raise _error(prefill_worker, e, "prefill") from e
         except grpc.FutureCancelledError as e:
             raise DispatchError(FailureKind.CANCELLED, prefill_worker, "prefill cancelled") from e
         events = tuple(block_event_from_proto(prefill_worker, e) for e in resp.events)
         return PrefillResult(resp.first_token, resp.cached_tokens, resp.prefill_s, events)
+
+    def _reuse_plan(self, prefill_worker: str, call: PrefillCall) -> ipb.ReusePlan:
+        """The plan, with the grant that lets ``prefill_worker`` (and only it, to its own
+        receiver) have exactly the planned blocks from the holder."""
+        plan = ipb.ReusePlan(num_blocks=call.num_reuse_blocks, holder_worker_id=call.holder_worker or "", keep=True)
+        if call.holder_worker:
+            holder = self.cluster.endpoint(call.holder_worker)
+            puller = self.cluster.endpoint(prefill_worker).info
+            plan.holder_rpc_address = holder.info.rpc_address
+            plan.grant, plan.grant_expiry_ms = grant(holder.session_key, call.request_id, prefill_worker,
+                                                     puller.transfer_address,
+                                                     call.block_keys[: call.num_reuse_blocks], call.deadline_s)
+        return plan
 
     def decode(self, decode_worker: str, request_id: str, first_token: int, sampling: SamplingParams,
                num_prompt_tokens: int, deadline_s: float, on_cancel: CancelHook) -> Iterator[DecodeChunk]:

@@ -3,77 +3,135 @@
 ``RequestLife.run`` is a generator of ``GenerateResponse`` messages. It asks the core for a
 frozen decision (``ConductorCore.route``), then applies it through a ``Dispatcher``: reserve
 on the decode worker, prefill (which streams KV to the decode worker and returns the first
-token), then forward the decode worker's tokens. A reservation or prefill that fails before
-anything reached the client is routed again, away from the workers involved, while the pure
-``should_retry`` allows it. It yields exactly one terminal message (finish reason set)
-unless the request is refused before any work (``Refused``: the caller aborts with a
-status). Cancellation (client gone) cancels the in-flight worker calls and releases the
-reservation. Every path leaves the pending overlay (``finally``). Time comes from the core's
-injected clock.
+token), then forward the decode worker's tokens. Faults, by the pure rules of
+``conductor.dispatch``:
 
-Metrics (``records.metrics``, ``conductor.metrics``): each routing decision, the first token
-(TTFT, queue time, prompt and cached tokens), every later token (inter-token latency) and
-exactly one outcome per request that is not ``Refused`` (the caller reports those): the
-terminal message's, or ``cancelled``/``client_gone`` when the client left before it.
+- A reservation or prefill that fails before its first token is routed again, away from the
+  workers involved, while ``should_retry`` allows (``max_attempts`` in all). A prefill
+  attempt unanswered past ``prefill_timeout_s`` (a hung worker) is cancelled as ``STALLED``.
+- A decode worker lost mid-stream (its stream breaks, ends without a finish, or the worker
+  fails the request) is replaced while ``should_migrate`` allows (``max_migrations``): the
+  request is routed again as prompt + the tokens already sent with max tokens reduced by
+  them, never back to a lost worker, reserved and prefilled like any request (reusing its
+  cached prefix); the prefill's first token is the next token, and the same client stream
+  goes on. Sampling is keyed by (seed, position) (``engine.sampler``) and the positions carry
+  on, so the continuation equals the uninterrupted run. The first message after a migration
+  names the new decode worker. With no decode worker left it ends FAILED with the reason.
+- The deadline is the request's ``deadline_s`` or the client's gRPC deadline, whichever is
+  sooner. A decision whose predicted TTFT is past it ends the call at once, and a step that
+  runs past it ends the call, with DEADLINE_EXCEEDED (a status, never a terminal message).
+
+It yields exactly one terminal message (finish reason set) unless it ends with a status:
+``Refused`` (routing refused before anything reached the client; the caller reports it) or
+``Aborted`` (DEADLINE_EXCEEDED once work began; reported here as ``failed``/``deadline``).
+Cancellation (client gone) cancels the in-flight worker calls and releases the reservation.
+Every path leaves the pending overlay (``finally``); a request placed again leaves it first
+and re-enters with its new decision. Time comes from the core's injected clock.
+
+Metrics (``records.metrics``, ``conductor.metrics``): each routing decision, prefill retry and
+migration here; through the request's ``ClientStream`` (``conductor.client_stream``, which
+also makes the messages) the first token (TTFT, queue time, prompt and cached tokens), every
+later token (inter-token latency) and exactly one outcome per request that is not
+``Refused``: the terminal message's, ``failed``/``deadline`` for an abort, or
+``cancelled``/``client_gone`` when the client left before it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
 
 import grpc
 
+from conductor.client_stream import ITL_BATCH_TOKENS, ClientStream  # noqa: F401 - ITL_BATCH_TOKENS: re-exported
 from conductor.core import ConductorCore, RequestFacts
-from conductor.dispatch import Dispatcher, DispatchError, FailureKind, PrefillCall, PrefillResult, should_retry
+from conductor.dispatch import (
+    Dispatcher,
+    DispatchError,
+    FailureKind,
+    PrefillCall,
+    PrefillResult,
+    prefill_timeout_s,
+    should_migrate,
+    should_retry,
+)
 from conductor.metrics import ConductorMetrics
 from conductor.records import RequestRecords
 from conductor.routing import Rejection, RejectKind, RouteDecision
 from conductor.validation import ValidRequest
+from engine.sampler import SamplingParams
 from engine.tokenizer import Tokenizer
 from proto import inference_pb2 as pb
 from proto.convert import FINISH_CODES
 
 log = logging.getLogger(__name__)
-ITL_BATCH_TOKENS = 16  # token intervals handed to the metrics at once (and at the end of a request)
+MIN_CALL_TIMEOUT_S = 1e-3  # a worker call's gRPC timeout is what is left of the deadline, at least this
 
 
-class Refused(Exception):
-    """Ends a request before any work with a gRPC status (RESOURCE_EXHAUSTED, UNAVAILABLE)."""
+class Aborted(Exception):
+    """Ends the call with a gRPC status instead of a terminal message (DEADLINE_EXCEEDED after
+    work began); the lifecycle has reported the request's outcome."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class Refused(Aborted):
+    """Ends a request before anything reached the client with a gRPC status
+    (RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED); the caller reports it."""
 
     def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float = 1.0, reason: str = "overload"):
-        super().__init__(message)
-        self.code, self.retry_after_s, self.reason = code, retry_after_s, reason
+        super().__init__(code, message)
+        self.retry_after_s, self.reason = retry_after_s, reason
 
 
-@dataclass
-class _Timeline:
-    arrival: float
-    routed: float = 0.0
-    prefill_start: float = 0.0
-    first_token: float = 0.0
-    last_token: float = 0.0
-    intervals: list[float] = field(default_factory=list)  # seconds between tokens sent, for the TBT SLO
+@dataclass(frozen=True)
+class _Loss:
+    """Why a decode stream ended without its finish; ``failure`` labels a FAILED outcome."""
+
+    worker: str
+    kind: FailureKind
+    failure: str
+    message: str
+    num_sent: int  # tokens the client had when it happened
+
+    def __str__(self) -> str:
+        return f"decode worker {self.worker} lost after {self.num_sent} tokens ({self.message})"
+
+
+Placement = Generator[pb.GenerateResponse, None, "tuple[RouteDecision, PrefillResult] | None"]
 
 
 class RequestLife:
+    """``max_attempts``: tries of a placement (route, reserve, prefill); ``max_migrations``: decode
+    workers a request may move to mid-stream (0: none); ``prefill_timeout_s``: the stall floor
+    of ``conductor.dispatch.prefill_timeout_s`` (0: none); ``client_deadline_s``: the client's
+    gRPC time remaining (None: none), when sooner than the request's ``deadline_s``."""
+
     def __init__(self, core: ConductorCore, dispatcher: Dispatcher, tokenizer: Tokenizer, req: ValidRequest,
-                 request_id: str, seq: int, max_attempts: int, records: RequestRecords | None = None):
+                 request_id: str, seq: int, max_attempts: int, records: RequestRecords | None = None, *,
+                 max_migrations: int = 0, prefill_timeout_s: float = 0.0, client_deadline_s: float | None = None):
         self.core, self.dispatcher, self.tokenizer, self.req = core, dispatcher, tokenizer, req
         self.clock = core.clock
         self.request_id = request_id
         self.facts = RequestFacts(request_id, seq, req.prompt_ids, req.params.max_new_tokens, req.tenant,
                                   req.ttft_slo_s, req.tbt_slo_s)
-        self.max_attempts = max_attempts
+        self.max_attempts, self.max_migrations, self.prefill_timeout_s = max_attempts, max_migrations, prefill_timeout_s
+        by_client = client_deadline_s is not None and client_deadline_s < req.deadline_s
+        self.deadline_s = client_deadline_s if by_client else req.deadline_s
+        self._deadline_name = "the client's gRPC deadline" if by_client else "deadline_s"
         self.records = records
         self.metrics: ConductorMetrics = records.metrics if records is not None else ConductorMetrics.disabled()
-        self.t = _Timeline(self.clock.now())
-        self._ended = False  # an outcome was reported to the metrics (or the caller reports it)
-        self._cached_tier = "unknown"
-        self._num_sent = 0
-        self._unreported = 0  # token intervals at the end of t.intervals not yet given to the metrics
+        self.out = ClientStream(request_id, req, tokenizer, self.metrics, core.slos, self.clock)
+        self.t, self.tokens = self.out.t, self.out.tokens  # read here, written by ``out``
+        self._base = 0  # tokens sent before the current placement: its prompt is prompt + tokens[:base]
+        self._lost: set[str] = set()  # decode workers lost mid-stream, never used again
+        self._num_migrations = 0
         self._cancel_hooks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self.cancelled = False
@@ -94,83 +152,140 @@ class RequestLife:
         hook()
 
     def _left_s(self) -> float:
-        return max(0.1, self.req.deadline_s - (self.clock.now() - self.t.arrival))
+        """Seconds left of the deadline (negative once past)."""
+        return self.deadline_s - (self.clock.now() - self.t.arrival)
+
+    def _call_timeout_s(self) -> float:
+        return max(MIN_CALL_TIMEOUT_S, self._left_s())
 
     # ---- the lifecycle ----------------------------------------------------------------------
     def run(self) -> Iterator[pb.GenerateResponse]:
         try:
             yield from self._run()
         except Refused:
-            self._ended = True  # refused before any work: the caller reports it (RequestRecords.count)
+            self.out.ended = True  # refused before any work: the caller reports it (RequestRecords.count)
             raise
         finally:
             self.core.pending.finish(self.request_id, self.clock.now())
-            if not self._ended:  # the client went away before the terminal message was made
-                self._report("cancelled", "client_gone", self._num_sent)
+            if not self.out.ended:  # the client went away before the terminal message was made
+                self.out.report("cancelled", "client_gone")
 
     def _run(self) -> Iterator[pb.GenerateResponse]:
-        avoid: set[str] = set()
-        for attempt in range(1, self.max_attempts + 1):
-            decision, keys = self._route(avoid)
+        placed = yield from self._place(self.facts, self.req.params)
+        if placed is None:
+            return
+        decision, result = placed
+        yield self.out.first(decision, result)
+        yield from self._stream(decision, result.first_token)
+
+    def _stream(self, decision: RouteDecision, first_token: int) -> Iterator[pb.GenerateResponse]:
+        """From a placement's first token to the terminal message, across migrations."""
+        while True:
+            finish = self._finish_of_sent()
+            if finish:  # the prefill's token ended the request: its reservation is never decoded
+                self.dispatcher.release(decision.decode_worker, self.request_id)
+                yield self._terminal(finish)
+                return
+            loss = yield from self._forward(decision, first_token)
+            if loss is None:
+                return
+            finish = self._finish_of_sent()
+            if finish:  # the last token arrived, the stream broke before its finish
+                yield self._terminal(finish)
+                return
+            placed = yield from self._migrate(loss)
+            if placed is None:
+                return
+            decision, result = placed
+            first_token = result.first_token
+            yield self._more((first_token,), decode_worker=decision.decode_worker)
+
+    def _finish_of_sent(self) -> int:
+        """STOP or LENGTH when the last token sent ends the request (as the decode worker decides), else 0."""
+        params = self.req.params
+        if self.tokens[-1] in params.stop_token_ids:
+            return pb.FINISH_REASON_STOP
+        return pb.FINISH_REASON_LENGTH if len(self.tokens) >= params.max_new_tokens else 0
+
+    # ---- placing: route, reserve, prefill (with retries) ---------------------------------------
+    def _place(self, facts: RequestFacts, params: SamplingParams, loss: _Loss | None = None) -> Placement:
+        """Route, reserve and prefill ``facts``, again elsewhere while ``should_retry`` allows;
+        (decision, result), or None after a terminal message. ``loss``: what a migration
+        replaces (tokens were sent), named first in the error of a FAILED terminal."""
+        avoid = set(self._lost)
+        why = str(loss) if loss is not None else ""
+        attempt = 0
+        while True:
+            attempt += 1
+            routed, keys = self._route(facts, avoid)
+            if isinstance(routed, Rejection) or routed.decode_worker in self._lost:
+                # Only while migrating: before any token a rejection is Refused (_route), and
+                # no worker is lost. The core falls back to avoided workers when none is left.
+                assert loss is not None
+                self.core.pending.finish(self.request_id, self.clock.now())
+                left = routed.reason if isinstance(routed, Rejection) else "no other decode worker to continue on"
+                yield self._terminal(pb.FINISH_REASON_FAILED, f"{why}; {left}", loss.failure)
+                return None
             try:
-                result = self._reserve_and_prefill(decision, keys)
-                break
+                result = self._reserve_and_prefill(facts, params, routed, keys)
             except DispatchError as e:
                 self.core.pending.finish(self.request_id, self.clock.now())
-                if should_retry(e.kind, attempt, self.max_attempts, self.cancelled):
-                    # Nothing reached the client yet and no partial cache is kept: route again,
-                    # away from the workers that failed, and recompute.
-                    log.warning("request %s: %s; retrying elsewhere (attempt %d of %d)", self.request_id, e,
-                                attempt + 1, self.max_attempts)
-                    avoid.update((decision.prefill_worker, decision.decode_worker))
-                    continue
-                reason = pb.FINISH_REASON_CANCELLED if self.cancelled else pb.FINISH_REASON_FAILED
-                yield self._terminal(reason, [], 0, decision, error=str(e), failure=e.kind.value)
-                return
-        self.t.first_token = self.clock.now()
-        self.core.pending.prefill_done(self.request_id, self.t.first_token)
-        self.core.cluster.apply_events(result.events)
-        self.core.speed.observe(decision.prefill_worker, decision.predicted.prefill_s, result.prefill_s)
-        if self.records is not None:
-            self.records.prediction(decision.predicted.ttft_s, self.t.first_token - self.t.routed)
-        self.t.last_token, self._num_sent = self.t.first_token, 1
-        self.metrics.first_token(self.req.tenant, self.t.first_token - self.t.arrival,
-                                 self.t.prefill_start - self.t.arrival, len(self.req.prompt_ids), result.cached_tokens,
-                                 self._cached_tier)
-        tokens = [result.first_token]
-        yield self._first(decision, result)
-        params = self.req.params
-        if result.first_token in params.stop_token_ids or params.max_new_tokens == 1:
-            self.dispatcher.release(decision.decode_worker, self.request_id)
-            reason = pb.FINISH_REASON_STOP if result.first_token in params.stop_token_ids else pb.FINISH_REASON_LENGTH
-            yield self._terminal(reason, tokens, result.cached_tokens, decision)
-            return
-        yield from self._decode(decision, result.first_token, tokens, result.cached_tokens)
+                if e.kind is FailureKind.DEADLINE and not self.cancelled:
+                    raise self._deadline(self._passed(e), at_routing=False) from e
+                if not should_retry(e.kind, attempt, self.max_attempts, self.cancelled):
+                    reason = pb.FINISH_REASON_CANCELLED if self.cancelled else pb.FINISH_REASON_FAILED
+                    yield self._terminal(reason, f"{why}; {e}" if why else str(e), e.kind.value)
+                    return None
+                # Nothing of this placement reached the client and no partial cache is kept:
+                # route again, away from the workers that failed, and recompute.
+                log.warning("request %s: %s; retrying elsewhere (attempt %d of %d)", self.request_id, e,
+                            attempt + 1, self.max_attempts)
+                self.metrics.retried(e.kind.value)
+                avoid.update((routed.prefill_worker, routed.decode_worker))
+                continue
+            self._prefilled(routed, result)
+            return routed, result
 
-    def _route(self, avoid: set[str]) -> tuple[RouteDecision, tuple[bytes, ...]]:
-        routed = self.core.route(self.facts, frozenset(avoid))
+    def _route(self, facts: RequestFacts, avoid: set[str]) -> tuple[RouteDecision | Rejection, tuple[bytes, ...]]:
+        """The core's decision and the prompt's block keys, or a rejection while migrating;
+        before any token a rejection raises ``Refused``, and a decision whose predicted TTFT is
+        past the deadline raises DEADLINE_EXCEEDED (``_deadline``)."""
+        if self._left_s() <= 0:
+            raise self._deadline(f"{self._deadline_name} ({self.deadline_s:g} s) passed before routing",
+                                 at_routing=True)
+        routed = self.core.route(facts, frozenset(avoid))
         self.t.routed = self.clock.now()
         outcome = routed.outcome
         self.metrics.routed(outcome.branch.value if isinstance(outcome, RouteDecision) else "rejected")
-        if isinstance(outcome, RouteDecision) and routed.snapshot is not None:
-            source = routed.snapshot.find(outcome.reuse.holder or outcome.prefill_worker)
-            tier = source.usable_tier if source is not None else None
-            self._cached_tier = tier.name.lower() if tier is not None else "unknown"
-        if isinstance(routed.outcome, Rejection):
-            rej = routed.outcome
+        if isinstance(outcome, Rejection):
+            if self.tokens:
+                return outcome, routed.keys
             # No workers of a role is a service that is not up yet, not an overload.
-            unavailable = rej.kind is RejectKind.NO_WORKERS
+            unavailable = outcome.kind is RejectKind.NO_WORKERS
             code = grpc.StatusCode.UNAVAILABLE if unavailable else grpc.StatusCode.RESOURCE_EXHAUSTED
-            raise Refused(code, rej.reason, rej.retry_after_s, rej.kind.value)
-        return routed.outcome, routed.keys
+            raise Refused(code, outcome.reason, outcome.retry_after_s, outcome.kind.value)
+        if not self.tokens:
+            self.out.predicted = outcome.predicted
+            if routed.snapshot is not None:
+                source = routed.snapshot.find(outcome.reuse.holder or outcome.prefill_worker)
+                tier = source.usable_tier if source is not None else None
+                self.out.cached_tier = tier.name.lower() if tier is not None else "unknown"
+        left_s = self._left_s()
+        if outcome.predicted.ttft_s > left_s:
+            self.core.pending.finish(self.request_id, self.clock.now())
+            raise self._deadline(f"the predicted time to first token ({outcome.predicted.ttft_s:.2f} s on "
+                                 f"{outcome.prefill_worker}) exceeds the {max(0.0, left_s):.2f} s left of "
+                                 f"{self._deadline_name} ({self.deadline_s:g} s)", at_routing=True)
+        return outcome, routed.keys
 
-    def _reserve_and_prefill(self, decision: RouteDecision, keys: tuple[bytes, ...]) -> PrefillResult:
+    def _reserve_and_prefill(self, facts: RequestFacts, params: SamplingParams, decision: RouteDecision,
+                             keys: tuple[bytes, ...]) -> PrefillResult:
         d = decision.decode_worker
         try:
-            address = self.dispatcher.reserve(d, self.request_id, len(self.req.prompt_ids),
-                                              self.req.params.max_new_tokens, self._left_s())
+            address = self.dispatcher.reserve(d, self.request_id, facts.prompt_len, facts.max_tokens,
+                                              self._call_timeout_s())
         except DispatchError as e:
-            if e.kind is FailureKind.BUSY and not self.cancelled:
+            if e.kind is FailureKind.BUSY and not self.cancelled and not self.tokens:
                 raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), 1.0, "decode_full") from e
             raise
         released = threading.Event()
@@ -181,93 +296,103 @@ class RequestLife:
                 self.dispatcher.release(d, self.request_id)
 
         self._on_cancel(release)
-        call = PrefillCall(self.request_id, self.req.prompt_ids, keys, decision.reuse.num_blocks,
-                           decision.reuse.holder, address, self._left_s())
-        self.t.prefill_start = self.clock.now()
+        timeout_s = prefill_timeout_s(self.prefill_timeout_s, decision.predicted.ttft_s)
+        call = PrefillCall(self.request_id, facts.prompt_ids, keys, decision.reuse.num_blocks,
+                           decision.reuse.holder, address, self._call_timeout_s(), timeout_s)
+        if not self.tokens:
+            self.t.prefill_start = self.clock.now()
         try:
-            return self.dispatcher.prefill(decision.prefill_worker, call, self.req.params, self._on_cancel)
+            return self.dispatcher.prefill(decision.prefill_worker, call, params, self._on_cancel)
         except DispatchError:
             release()
             raise
 
-    def _first(self, decision: RouteDecision, result: PrefillResult) -> pb.GenerateResponse:
-        tokens = [result.first_token]
-        usage = pb.Usage(prompt_tokens=len(self.req.prompt_ids), cached_tokens=result.cached_tokens,
-                         completion_tokens=1)
-        return pb.GenerateResponse(request_id=self.request_id, token_ids=tokens, text=self.tokenizer.decode(tokens),
-                                   usage=usage, prefill_worker=decision.prefill_worker,
-                                   decode_worker=decision.decode_worker, pulled_from=decision.reuse.holder or "",
-                                   route_branch=decision.branch.value)
+    def _prefilled(self, decision: RouteDecision, result: PrefillResult) -> None:
+        """What every placement's first token tells the core: the prefill is done, its blocks
+        are stored, and how fast the worker was against the prediction."""
+        now = self.clock.now()
+        self.core.pending.prefill_done(self.request_id, now)
+        self.core.cluster.apply_events(result.events)
+        self.core.speed.observe(decision.prefill_worker, decision.predicted.prefill_s, result.prefill_s)
+        if self.records is not None:
+            self.records.prediction(decision.predicted.ttft_s, now - self.t.routed)
 
-    def _decode(self, decision: RouteDecision, first: int, tokens: list[int],
-                cached: int) -> Iterator[pb.GenerateResponse]:
+    # ---- decoding and migrating --------------------------------------------------------------
+    def _forward(self, decision: RouteDecision, first: int) -> Generator[pb.GenerateResponse, None, _Loss | None]:
+        """Forward the decode worker's tokens; None once a terminal message was yielded, else
+        what ended the stream before its finish."""
+        d = decision.decode_worker
         self.core.pending.decode_started(self.request_id, self.clock.now())
-        sent_text = self.tokenizer.decode(tokens)
-        chunks = self.dispatcher.decode(decision.decode_worker, self.request_id, first, self.req.params,
-                                        len(self.req.prompt_ids), self._left_s(), self._on_cancel)
+        num_prompt = len(self.req.prompt_ids) + self._base
+        chunks = self.dispatcher.decode(d, self.request_id, first, self._params(), num_prompt, self._call_timeout_s(),
+                                        self._on_cancel)
         try:
             for chunk in chunks:
                 if chunk.token_ids:
-                    self._sent(len(chunk.token_ids))
-                    tokens.extend(chunk.token_ids)
-                    self.core.pending.generated(self.request_id, len(tokens))
-                    text = self.tokenizer.decode(tokens)
-                    yield pb.GenerateResponse(request_id=self.request_id, token_ids=chunk.token_ids,
-                                              text=text[len(sent_text):])
-                    sent_text = text
+                    yield self._more(chunk.token_ids)
+                if chunk.finish_reason == "failed":
+                    return _Loss(d, FailureKind.INTERNAL, "decode_worker", "the decode worker failed the request",
+                                 len(self.tokens))
                 if chunk.finish_reason:
-                    yield self._terminal(FINISH_CODES[chunk.finish_reason], tokens, cached, decision,
-                                         failure="decode_worker")
-                    return
-            yield self._terminal(pb.FINISH_REASON_FAILED, tokens, cached, decision, error="decode stream ended early",
-                                 failure="decode_stream")
+                    yield self._terminal(FINISH_CODES[chunk.finish_reason], failure="decode_worker")
+                    return None
+            return _Loss(d, FailureKind.UNAVAILABLE, "decode_stream", "decode stream ended early", len(self.tokens))
         except DispatchError as e:
+            if self.cancelled:
+                yield self._terminal(pb.FINISH_REASON_CANCELLED, str(e), e.kind.value)
+                return None
+            if e.kind is FailureKind.DEADLINE:
+                raise self._deadline(self._passed(e), at_routing=False) from e
+            return _Loss(d, e.kind, e.kind.value, str(e), len(self.tokens))
+
+    def _migrate(self, loss: _Loss) -> Placement:
+        """Place the request again as prompt + the tokens sent, on another decode worker;
+        (decision, result), or None after a terminal message (FAILED with the reason)."""
+        self._lost.add(loss.worker)
+        self.core.pending.finish(self.request_id, self.clock.now())
+        if not should_migrate(loss.kind, self._num_migrations, self.max_migrations, self.cancelled):
             reason = pb.FINISH_REASON_CANCELLED if self.cancelled else pb.FINISH_REASON_FAILED
-            yield self._terminal(reason, tokens, cached, decision, error=str(e), failure=e.kind.value)
+            more = f"; no migrations left ({self.max_migrations} allowed)" if self.max_migrations else ""
+            yield self._terminal(reason, f"{loss}{more}", loss.failure)
+            return None
+        self._num_migrations += 1
+        self._base = len(self.tokens)
+        # The SLOs were the first token's; a continuation is never refused for them, only for
+        # the deadline (``_route``).
+        facts = dataclasses.replace(self.facts, prompt_ids=self.req.prompt_ids + tuple(self.tokens),
+                                    max_tokens=self.req.params.max_new_tokens - self._base,
+                                    ttft_slo_s=math.inf, tbt_slo_s=math.inf)
+        placed = yield from self._place(facts, self._params(), loss)
+        if placed is not None:
+            self.metrics.migrated(loss.failure)
+            log.warning("request %s: %s; continuing on decode worker %s (migration %d of %d)", self.request_id,
+                        loss, placed[0].decode_worker, self._num_migrations, self.max_migrations)
+        return placed
 
-    def _sent(self, num_tokens: int) -> None:
-        now = self.clock.now()
-        interval_s, self.t.last_token = now - self.t.last_token, now
-        self.t.intervals.extend([interval_s / num_tokens] * num_tokens)
-        self._num_sent += num_tokens
-        self._unreported += num_tokens
-        if self._unreported >= ITL_BATCH_TOKENS:
-            self._report_tokens()
+    def _params(self) -> SamplingParams:
+        """The current placement's sampling: what is left of max tokens."""
+        if not self._base:
+            return self.req.params
+        return dataclasses.replace(self.req.params, max_new_tokens=self.req.params.max_new_tokens - self._base)
 
-    def _report_tokens(self) -> None:
-        if self._unreported:
-            self.metrics.tokens(self.req.tenant, self.t.intervals[-self._unreported:])
-            self._unreported = 0
+    def _passed(self, e: DispatchError) -> str:
+        return f"{self._deadline_name} ({self.deadline_s:g} s) passed ({e})"
 
-    def _report(self, outcome: str, failure: str, num_generated: int) -> None:
-        """The request's one outcome for the metrics; ``within_slo`` as Mooncake's goodput counts
-        it: TTFT within its SLO and TBT (mean of the slowest 10% of token intervals) within its."""
-        self._ended = True
-        self._report_tokens()
-        slo = self.core.slos.resolve(self.req.tenant, self.req.ttft_slo_s, self.req.tbt_slo_s)
-        slowest = sorted(self.t.intervals, reverse=True)[: max(1, len(self.t.intervals) // 10)]
-        tbt_s = sum(slowest) / len(slowest) if slowest else 0.0
-        ttft_s = self.t.first_token - self.t.arrival if self.t.first_token else float("inf")
-        self.metrics.ended(self.req.tenant, outcome, failure, len(self.req.prompt_ids), num_generated,
-                           self.clock.now() - self.t.arrival, ttft_s <= slo.ttft_s and tbt_s <= slo.tbt_s)
+    def _deadline(self, message: str, at_routing: bool) -> Aborted:
+        """DEADLINE_EXCEEDED: ``Refused`` at routing before any token, else ``Aborted`` (reported here)."""
+        message = f"request {self.request_id}: {message}"
+        if at_routing and not self.tokens:
+            return Refused(grpc.StatusCode.DEADLINE_EXCEEDED, message, 0.0, "deadline")
+        log.warning("%s after %d tokens", message, len(self.tokens))
+        self.out.report("failed", "deadline")
+        return Aborted(grpc.StatusCode.DEADLINE_EXCEEDED, message)
 
-    def _terminal(self, reason: int, tokens: list[int], cached: int, decision: RouteDecision,
-                  error: str = "", failure: str = "") -> pb.GenerateResponse:
-        """The terminal message; ``failure`` (a failure kind) labels a FAILED outcome's reason."""
-        outcome = pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
-        self._report(outcome, failure if outcome == "failed" else ("client" if outcome == "cancelled" else ""),
-                     len(tokens))
-        now = self.clock.now()
-        decode_s = now - self.t.first_token if self.t.first_token else 0.0
-        timing = pb.Timing(
-            queue_s=(self.t.prefill_start or now) - self.t.arrival,
-            ttft_s=(self.t.first_token - self.t.arrival) if self.t.first_token else 0.0,
-            total_s=now - self.t.arrival,
-            decode_tokens_per_s=(len(tokens) - 1) / decode_s if decode_s > 0 and len(tokens) > 1 else 0.0,
-            predicted_ttft_s=decision.predicted.ttft_s, predicted_tbt_s=decision.predicted.tbt_s,
-        )
-        usage = pb.Usage(prompt_tokens=len(self.req.prompt_ids), cached_tokens=cached, completion_tokens=len(tokens))
+    def _more(self, token_ids: tuple[int, ...], decode_worker: str = "") -> pb.GenerateResponse:
+        msg = self.out.more(token_ids, decode_worker)
+        self.core.pending.generated(self.request_id, len(self.tokens) - self._base)
+        return msg
+
+    def _terminal(self, reason: int, error: str = "", failure: str = "") -> pb.GenerateResponse:
         if error:
             log.warning("request %s: %s", self.request_id, error)
-        return pb.GenerateResponse(request_id=self.request_id, finish_reason=reason, usage=usage, timing=timing,
-                                   error=error)
+        return self.out.terminal(reason, error, failure)

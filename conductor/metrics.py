@@ -1,5 +1,6 @@
 """The Conductor's Prometheus metrics: request latencies and sizes, outcomes, tokens, routing
-decisions, the scheduler's prediction error, and scrape-time gauges of admission and workers.
+decisions, prefill retries and decode migrations, the scheduler's prediction error, and
+scrape-time gauges of admission and workers.
 
 ``ConductorMetrics`` is handed to ``RequestRecords`` (``records.metrics``), which the request
 lifecycle (``conductor.lifecycle``) reports through; ``watch(cluster, admission)`` adds the
@@ -42,7 +43,7 @@ OUTCOMES = ("stop", "length", "cancelled", "failed", "rejected", "invalid")
 REASONS = frozenset({
     "none", "other", "client_gone", "invalid_argument", "queue_full", "unspecified",
     "no_workers", "decode_full", "ttft_slo", "tbt_slo",  # routing.RejectKind and the decode reservation
-    "unavailable", "busy", "transfer", "deadline", "cancelled", "refused", "internal",  # dispatch.FailureKind
+    "unavailable", "busy", "transfer", "deadline", "cancelled", "refused", "internal", "stalled",  # FailureKind
     "decode_worker", "decode_stream",  # the decode worker failed the request / its stream ended early
 })
 BRANCHES = ("cold", "local", "pull", "replicate", "rejected")
@@ -112,6 +113,12 @@ class ConductorMetrics:
                          ("model", "policy", "branch"))
         self._branches = {b: routing.labels(model, policy, b) for b in BRANCHES}
         self._tenant_series: dict[str, _TenantSeries] = {}
+        self._prefill_retries = family(registry, Counter, "prefill_retries",
+                                       "Prefill attempts that failed and were routed again to other workers, "
+                                       "by failure kind", ("model", "reason"))
+        self._migrations = family(registry, Counter, "decode_migrations",
+                                  "Requests moved mid-stream to another decode worker after theirs was lost, "
+                                  "by failure kind", ("model", "reason"))
         self._ratio = family(registry, Histogram, "predicted_ttft_error_ratio",
                              "Observed over predicted TTFT (routing to first token) of the scheduler's decisions",
                              ("model", "policy"), buckets=RATIO_BUCKETS).labels(model, policy)
@@ -188,6 +195,16 @@ class ConductorMetrics:
         """A request ended before any work: ``rejected`` (with its reason) or ``invalid``."""
         if self.enabled:
             self._count(tenant, outcome, reason)
+
+    def retried(self, reason: str) -> None:
+        """A failed prefill attempt is routed again (``reason``: its failure kind)."""
+        if self.enabled:
+            self._prefill_retries.labels(self.model, reason_label(reason)).inc()
+
+    def migrated(self, reason: str) -> None:
+        """A request lost its decode worker mid-stream and moves to another one."""
+        if self.enabled:
+            self._migrations.labels(self.model, reason_label(reason)).inc()
 
     def prediction(self, predicted_s: float, observed_s: float) -> None:
         if self.enabled and predicted_s > 0:

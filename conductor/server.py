@@ -1,32 +1,40 @@
 """The Conductor: public ``Inference`` service, internal ``Registry`` service, as an embeddable
 service (``build(config)``, see ``runtime.service``) and as a process (``serve``).
 
-Generate = validate (INVALID_ARGUMENT naming the field) -> admission (RESOURCE_EXHAUSTED at
+Generate = authenticate (an API key, ``conductor.apikeys``: the tenant comes from it; without
+``--api-keys`` only under a loud ``--insecure-no-auth``) -> parse (a malformed message or
+text that is not UTF-8 is INVALID_ARGUMENT, a message over ``--max-request-bytes`` is
+refused by gRPC unread) -> validate (INVALID_ARGUMENT naming the field) -> admission (RESOURCE_EXHAUSTED at
 once when the queue is full; a queued request waits for a running slot until its deadline or
 ``max_queue_wait_s``, whichever is sooner) -> ``RequestLife.run`` (route, reserve, prefill,
 decode through the gRPC dispatcher). The index is in memory by default or in Redis with
 ``--index redis://...`` (falling back to local knowledge while Redis is unreachable). The
 cost models come from ``--calibration FILE``: a corrupt file, or one made for another model
-than the workers serve, is an error naming it, never a silent default.
+than the workers serve, is an error naming it, never a silent default. The Registry serves
+cluster members only (``runtime.auth``: Register and Workers need the cluster secret, a
+Heartbeat the worker instance's session key; a worker registers and reports only itself).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
 import uuid
 
 import grpc
+from google.protobuf.message import DecodeError
 
 import engine
 from conductor.admission import Admission
+from conductor.apikeys import ApiKey, ApiKeys
 from conductor.clock import Clock, SystemClock
 from conductor.cluster import Cluster
 from conductor.config import ConductorConfig
 from conductor.core import ConductorCore
 from conductor.grpc_dispatch import GrpcDispatcher
-from conductor.lifecycle import Refused, RequestLife
+from conductor.lifecycle import Aborted, Refused, RequestLife
 from conductor.metrics import ConductorMetrics
 from conductor.records import RequestRecords
 from conductor.routing import PolicyContext, make_policy
@@ -36,9 +44,9 @@ from costmodel.builtin import tiny_cpu_estimate
 from kvstore.index import GlobalIndex
 from kvstore.index_memory import MemoryIndex
 from proto import inference_pb2 as pb
-from proto import inference_pb2_grpc as pgrpc
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
+from runtime.auth import CONDUCTOR, AuthError, Member, Need, current_principal, refuse, worker_principal
 from runtime.grpc_server import follow_readiness, start_server
 from runtime.metrics import start_metrics
 from runtime.service import ServiceBase, serve_until_signal
@@ -60,6 +68,19 @@ def load_costs(config: ConductorConfig) -> CostModels:
     return tiny_cpu_estimate()
 
 
+def public_auth(config: ConductorConfig) -> ApiKeys | None:
+    """The API keys of ``--api-keys`` (ValueError naming a bad file); None, with a loud
+    warning, under ``--insecure-no-auth``; ValueError when neither is given."""
+    if config.api_keys:
+        return ApiKeys(config.api_keys)
+    if not config.insecure_no_auth:
+        raise ValueError("the public endpoint needs --api-keys FILE (`tidekv apikey add --file FILE --tenant T`), "
+                         "or --insecure-no-auth to serve anyone who connects, trusting their tenant field")
+    log.warning("INSECURE: --insecure-no-auth: the public endpoint takes no API key and trusts every request's "
+                "tenant; any client can use and probe any tenant's cache")
+    return None
+
+
 def calibration_check(config: ConductorConfig, costs: CostModels):
     """A registration check: a worker serving another model than the calibration's is refused."""
     expected = costs.info.model_fingerprint
@@ -73,29 +94,72 @@ def calibration_check(config: ConductorConfig, costs: CostModels):
     return check
 
 
-class InferenceService(pgrpc.InferenceServicer):
+NEEDS = {"/tidekv.v1.Inference/Generate": Need.OPEN,  # API keys, checked by the servicer
+         "/tidekv.v1.Registry/Register": Need.MEMBER, "/tidekv.v1.Registry/Heartbeat": Need.SESSION,
+         "/tidekv.v1.Registry/Workers": Need.MEMBER}
+
+
+class InferenceService:
+    """``api_keys`` None: no authentication, the request's tenant is trusted (--insecure-no-auth)."""
+
     def __init__(self, config: ConductorConfig, core: ConductorCore, dispatcher: GrpcDispatcher,
-                 admission: Admission, records: RequestRecords):
+                 admission: Admission, records: RequestRecords, api_keys: ApiKeys | None):
         self.config, self.core, self.dispatcher, self.admission, self.records = (
             config, core, dispatcher, admission, records)
+        self.api_keys = api_keys
         self.cfg = engine.load_config(config.model)
         self.tokenizer = engine.load_tokenizer(config.model)
         self.limits = config.limits
         self._seq = itertools.count()
 
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+    def add_to(self, server: grpc.Server) -> None:
+        """Serves Generate with the request left as bytes, so that a malformed message is the
+        servicer's INVALID_ARGUMENT rather than gRPC's INTERNAL."""
+        handler = grpc.unary_stream_rpc_method_handler(
+            self.GenerateRaw, request_deserializer=None, response_serializer=pb.GenerateResponse.SerializeToString)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("tidekv.v1.Inference",
+                                                                              {"Generate": handler}),))
+
+    def GenerateRaw(self, raw: bytes, context: grpc.ServicerContext):
+        tenant = self._authenticate(context)
+        try:
+            request = pb.GenerateRequest.FromString(raw)
+        except DecodeError:
+            self.records.count("invalid")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "malformed GenerateRequest: not a valid message, or text that is not UTF-8")
+        yield from self.Generate(request, context, tenant)
+
+    def _authenticate(self, context: grpc.ServicerContext) -> ApiKey | None:
+        if self.api_keys is None:
+            return None
+        try:
+            return self.api_keys.authenticate(context.invocation_metadata())
+        except AuthError as e:
+            self.records.count("unauthenticated")
+            refuse(context, e, "Generate")
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext, key: ApiKey | None = None):
         try:
             valid = validate(request, self.cfg, self.tokenizer, self.limits)
         except ValueError as e:
             self.records.count("invalid")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if key is not None:  # the tenant, and so the cache salt, comes from the credential
+            try:
+                valid = dataclasses.replace(valid, tenant=key.tenant_for(request.tenant))
+            except AuthError as e:
+                self.records.count("permission_denied")
+                refuse(context, e, f"Generate as tenant {request.tenant!r}")
         refusal = self.admission.try_enter(timeout_s=min(valid.deadline_s, self.config.max_queue_wait_s))
         if refusal is not None:
             self.records.count("rejected", reason="queue_full", tenant=valid.tenant)
             context.set_trailing_metadata((("retry-after-s", "1"),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
         life = RequestLife(self.core, self.dispatcher, self.tokenizer, valid, request.request_id or uuid.uuid4().hex,
-                           next(self._seq), self.config.max_prefill_attempts, self.records)
+                           next(self._seq), self.config.max_prefill_attempts, self.records,
+                           max_migrations=self.config.max_decode_migrations,
+                           prefill_timeout_s=self.config.prefill_timeout_s, client_deadline_s=context.time_remaining())
         context.add_callback(life.cancel)
         try:
             for msg in life.run():
@@ -106,6 +170,8 @@ class InferenceService(pgrpc.InferenceServicer):
             self.records.count("rejected", reason=e.reason, tenant=valid.tenant)
             log.info("request %s rejected (%s): %s", life.request_id, e.reason, e)
             context.set_trailing_metadata((("retry-after-s", f"{e.retry_after_s:g}"), ("reject-reason", e.reason)))
+            context.abort(e.code, str(e))
+        except Aborted as e:  # DEADLINE_EXCEEDED after work began; the lifecycle reported the outcome
             context.abort(e.code, str(e))
         finally:
             if life.cancelled:
@@ -119,11 +185,17 @@ class RegistryService(igrpc.RegistryServicer):
         self.heartbeat_interval_s = heartbeat_interval_s
 
     def Register(self, request: ipb.RegisterRequest, context: grpc.ServicerContext) -> ipb.RegisterResponse:
-        reason = self.cluster.register(request.info)
+        reason = self.cluster.register(request.info, current_principal(context))
+        if reason is not None:
+            log.warning("refused Register of %s from %s: %s", request.info.worker_id, context.peer(), reason)
         return ipb.RegisterResponse(accepted=reason is None, reason=reason or "",
                                     heartbeat_interval_s=self.heartbeat_interval_s)
 
     def Heartbeat(self, request: ipb.HeartbeatRequest, context: grpc.ServicerContext) -> ipb.HeartbeatResponse:
+        principal = current_principal(context)
+        if principal != worker_principal(request.worker_id):
+            refuse(context, AuthError(grpc.StatusCode.PERMISSION_DENIED,
+                                      f"{principal} may not heartbeat for {request.worker_id}"), "Heartbeat")
         try:
             known = self.cluster.heartbeat(request.worker_id, request.load, list(request.events))
         except ValueError as e:  # a malformed load or event from the worker
@@ -173,18 +245,22 @@ class Conductor(ServiceBase):
         costs = load_costs(config)
         index = make_index(config.index, config.worker_ttl_s)
         self._closing.callback(index.close)
-        self.cluster = cluster = Cluster(index, check=calibration_check(config, costs))
+        member = Member.from_config(config.cluster_secret_file, CONDUCTOR, config.tls)
+        api_keys = public_auth(config)
+        self.cluster = cluster = Cluster(index, member, check=calibration_check(config, costs))
         core = build_core(config, cluster, costs, self._clock)
         metrics = ConductorMetrics.for_config(config)
         admission = Admission(config.admission)
-        inference = InferenceService(config, core, GrpcDispatcher(cluster), admission, RequestRecords(metrics=metrics))
+        inference = InferenceService(config, core, GrpcDispatcher(cluster), admission, RequestRecords(metrics=metrics),
+                                     api_keys)
         metrics.watch(cluster, admission)
         registry = RegistryService(cluster, config.heartbeat_interval_s)
         self._running = start_server(
-            [lambda s: pgrpc.add_InferenceServicer_to_server(inference, s),
-             lambda s: igrpc.add_RegistryServicer_to_server(registry, s)],
+            [inference.add_to, lambda s: igrpc.add_RegistryServicer_to_server(registry, s)],
             ["tidekv.v1.Inference", "tidekv.v1.Registry"], config.host, config.port,
             max_workers=config.max_running + config.max_queued + 32,
+            interceptors=[member.interceptor(NEEDS, cluster.session_key_for)], tls=config.tls,
+            max_receive_bytes=config.max_request_bytes,
         )
         self._closing.callback(self._running.stop, 0)
         self.metrics = start_metrics(config.host, config.metrics_port)
@@ -234,5 +310,5 @@ def serve(argv: list[str] | None = None) -> None:
 
     try:
         serve_until_signal(build(config), config.drain_timeout_s, announce)
-    except CalibrationError as e:
+    except (CalibrationError, ValueError) as e:
         raise SystemExit(f"tidekv conductor: {e}") from e

@@ -21,6 +21,7 @@ class Limits:
     max_request_id_len: int = 64
     max_tenant_len: int = 128
     max_slo_s: float = 3600.0
+    max_prompt_bytes: int = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -38,16 +39,7 @@ def validate(req: pb.GenerateRequest, cfg: ModelConfig, tokenizer: Tokenizer, li
         raise ValueError(f"request_id must be at most {limits.max_request_id_len} characters without '/'")
     if len(req.tenant) > limits.max_tenant_len:
         raise ValueError(f"tenant must be at most {limits.max_tenant_len} characters, got {len(req.tenant)}")
-    which = req.WhichOneof("prompt")
-    if which is None:
-        raise ValueError("prompt: give text or token_ids")
-    ids = tokenizer.encode(req.text) if which == "text" else list(req.token_ids.ids)
-    field = "text" if which == "text" else "token_ids"
-    if not ids:
-        raise ValueError(f"{field}: prompt is empty")
-    limit = min(limits.max_prompt_tokens, cfg.max_seq_len - 1)
-    if len(ids) > limit:
-        raise ValueError(f"{field}: prompt has {len(ids)} tokens, the limit is {limit}")
+    ids = _prompt_ids(req, cfg, tokenizer, limits)
     bad = next((t for t in ids if t >= cfg.vocab_size), None)
     if bad is not None:
         raise ValueError(f"token_ids: id {bad} outside the vocabulary [0, {cfg.vocab_size})")
@@ -68,6 +60,32 @@ def validate(req: pb.GenerateRequest, cfg: ModelConfig, tokenizer: Tokenizer, li
     _check_slos(req, limits)
     return ValidRequest(tuple(ids), params, req.deadline_s or limits.default_deadline_s, req.tenant,
                         req.ttft_slo_s, req.tbt_slo_s)
+
+
+def _prompt_ids(req: pb.GenerateRequest, cfg: ModelConfig, tokenizer: Tokenizer,
+                limits: Limits) -> list[int]:
+    """The prompt's token ids; sizes are checked before the
+    tokenizer runs, so an oversized text costs no tokenization."""
+    which = req.WhichOneof("prompt")
+    if which is None:
+        raise ValueError("prompt: give text or token_ids")
+    limit = min(limits.max_prompt_tokens, cfg.max_seq_len - 1)
+    if which == "text":
+        if len(req.text) * 4 > limits.max_prompt_bytes:  # UTF-8 takes at most 4 bytes a character
+            size = len(req.text.encode())
+            if size > limits.max_prompt_bytes:
+                raise ValueError(f"text: prompt is {size} bytes, the limit is {limits.max_prompt_bytes} "
+                                 f"(max_prompt_bytes)")
+        ids = tokenizer.encode(req.text)
+    else:
+        ids = list(req.token_ids.ids) if len(req.token_ids.ids) <= limit else []
+        if not ids and req.token_ids.ids:
+            raise ValueError(f"token_ids: prompt has {len(req.token_ids.ids)} tokens, the limit is {limit}")
+    if not ids:
+        raise ValueError(f"{which}: prompt is empty")
+    if len(ids) > limit:
+        raise ValueError(f"{which}: prompt has {len(ids)} tokens, the limit is {limit}")
+    return ids
 
 
 def _check_slos(req: pb.GenerateRequest, limits: Limits) -> None:

@@ -3,7 +3,8 @@ service (``build(config)``, see ``runtime.service``) and as a process (``serve``
 
 Reserve -> (KV arrives through the transfer receiver) -> Decode (stream) -> done/Release.
 A reservation whose Decode call never comes expires; a Decode stream whose client goes away
-is cancelled and its cache freed.
+is cancelled and its cache freed. Only the Conductor this worker registered with may call
+Reserve, Decode and Release (``NEEDS``, ``runtime.auth``); any member may read Stats.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from decode_worker.config import DecodeConfig
 from decode_worker.metrics import DecodeMetrics
 from decode_worker.scheduler import DecodeScheduler, Finished
 from decode_worker.sink import expected_for, sink_for
+from engine.warmup import warm_up
 from kvstore.transfer.base import TransferConfig, TransferError
 from kvstore.transfer.receiver import Receiver
 from proto import inference_pb2 as pb
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
 from proto.convert import sampling_from_proto
+from runtime.auth import Need, WorkerCredential, derive
 from runtime.grpc_server import follow_readiness, start_server
 from runtime.metrics import Identity, start_metrics
 from runtime.service import ServiceBase, serve_until_signal
@@ -33,6 +36,8 @@ from runtime.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
 
+NEEDS = {"/tidekv.v1.Decode/Reserve": Need.SESSION, "/tidekv.v1.Decode/Decode": Need.SESSION,
+         "/tidekv.v1.Decode/Release": Need.SESSION, "/tidekv.v1.Decode/Stats": Need.MEMBER}
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
           "cancelled": pb.FINISH_REASON_CANCELLED, "failed": pb.FINISH_REASON_FAILED}
 
@@ -107,6 +112,7 @@ class DecodeWorker(ServiceBase):
         super().__init__()
         self.config = config
         self.worker_id = config.worker_id or f"decode-{uuid.uuid4().hex[:6]}"
+        self.credential = WorkerCredential.new(config.cluster_secret_file, self.worker_id, config.tls)
         self._scheduler: DecodeScheduler | None = None
         self._link: WorkerLink | None = None
         self._transfer_address = ""
@@ -130,20 +136,25 @@ class DecodeWorker(ServiceBase):
         self._scheduler = scheduler = DecodeScheduler(model, cfg.num_pages, cfg.num_slots, cfg.block_size,
                                                       cfg.max_batch, metrics=DecodeMetrics(ident))
         receiver = Receiver(TransferConfig(deadline_s=cfg.transfer_deadline_s, bind_host=cfg.host,
-                                           advertise_host=cfg.advertised_host), backends=cfg.transfer_backend)
+                                           advertise_host=cfg.advertised_host,
+                                           auth_key=derive(self.credential.member.secret, "transfer")),
+                            backends=cfg.transfer_backend)
         self._closing.callback(receiver.close)
         self._listening, self._transfer_address = True, receiver.address
         scheduler.start()
         self._closing.callback(scheduler.stop)
         service = DecodeService(scheduler, receiver, cfg.transfer_deadline_s)
         self._running = start_server([lambda s: igrpc.add_DecodeServicer_to_server(service, s)],
-                                     ["tidekv.v1.Decode"], cfg.host, cfg.port, advertise_host=cfg.advertised_host)
+                                     ["tidekv.v1.Decode"], cfg.host, cfg.port, advertise_host=cfg.advertised_host,
+                                     interceptors=[self.credential.interceptor(NEEDS)], tls=cfg.tls)
         self._closing.callback(self._running.stop, 0)
         info = ipb.WorkerInfo(worker_id=self.worker_id, role=ipb.WORKER_ROLE_DECODE,
                               rpc_address=self._running.address, transfer_address=receiver.address,
                               model_fingerprint=model.fingerprint, block_size=cfg.block_size,
                               num_pages_total=cfg.num_pages, metrics_address=self.metrics.address)
-        self._link = WorkerLink(cfg.conductor, info, scheduler.load)
+        if cfg.warmup:
+            log.info("warmed up in %.2f s", warm_up(model, cfg.block_size))
+        self._link = WorkerLink(cfg.conductor, info, scheduler.load, self.credential)
         self._link.start()
         self._closing.callback(self._link.stop)
         self._closing.callback(follow_readiness(self._running, self.ready))
@@ -174,7 +185,10 @@ def build(config: DecodeConfig) -> DecodeWorker:
 def serve(argv: list[str] | None = None) -> None:
     """``tidekv serve --role decode``: flags and ``TIDEKV_*`` -> build -> serve until SIGTERM/SIGINT."""
     cfg = parse_config(DecodeConfig, argv, prog="tidekv serve --role decode")
-    worker = build(cfg)
+    try:
+        worker = build(cfg)
+    except ValueError as e:
+        raise SystemExit(f"tidekv decode worker: {e}") from e
     setup_torch(cfg.threads or None)
 
     def announce(w: DecodeWorker) -> None:

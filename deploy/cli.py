@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -48,7 +49,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
     from conductor.client import Client
 
-    client = Client(args.endpoint)
+    client = Client(args.endpoint, api_key=args.api_key, tls_ca=args.tls_ca)
     req = Client.request(args.prompt, args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed,
                          tenant=args.tenant)
     try:
@@ -91,7 +92,10 @@ def _ray_config(args: argparse.Namespace):
 
     conductor = parse_config(ConductorConfig, shlex.split(args.conductor_args), prog="--conductor-args")
     conductor = dataclasses.replace(conductor, model=args.model, policy=args.policy, index=args.index,
-                                    port=args.port, calibration=args.calibration or conductor.calibration)
+                                    port=args.port, calibration=args.calibration or conductor.calibration,
+                                    api_keys=args.api_keys or conductor.api_keys)
+    if not conductor.api_keys:
+        conductor = dataclasses.replace(conductor, insecure_no_auth=True)
     prefill = dataclasses.replace(parse_config(PrefillConfig, shlex.split(args.prefill_args), prog="--prefill-args"),
                                   model=args.model)
     decode = dataclasses.replace(parse_config(DecodeConfig, shlex.split(args.decode_args), prog="--decode-args"),
@@ -173,18 +177,29 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if args.ray is not None:
         return _cmd_up_ray(args)
     from deploy.local import ClusterConfig, LocalCluster
+    from deploy.status_cli import new_up_run_dir, print_state_on_sigusr1
     from runtime.service import wait_for_signal
 
+    run_dir = Path(args.data_dir) if args.data_dir else new_up_run_dir()
     cluster = LocalCluster(ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, model=args.model,
                                          policy=args.policy, index=args.index, port=args.port,
                                          data_dir=args.data_dir, calibration=args.calibration,
-                                         http_port=args.http_port))
-    print(f"starting conductor + {args.prefill} prefill + {args.decode} decode (logs in {cluster.data_dir}/logs)",
+                                         http_port=args.http_port, supervise=True, log_dir=str(run_dir / "logs"),
+                                         api_keys=args.api_keys, tls=args.tls,
+                                         state_file=str(run_dir / "state.json")))
+    print_state_on_sigusr1(cluster)
+    print(f"starting conductor + {args.prefill} prefill + {args.decode} decode, supervised (logs in "
+          f"{cluster.log_dir}; state in {cluster.state_file}: `tidekv status`, or kill -USR1 {os.getpid()})",
           file=sys.stderr)
     with cluster:
         http = f", OpenAI HTTP API {cluster.http_url}" if cluster.http_url else ""
         print(f"tidekv cluster ready: endpoint {cluster.endpoint}{http}", flush=True)
         print(f"metrics: {', '.join(cluster.metrics_addresses())}", file=sys.stderr)
+        if not args.api_keys:
+            print("WARNING: the public endpoint takes no API key and trusts each request's tenant "
+                  "(--insecure-no-auth); give --api-keys FILE to require keys", file=sys.stderr)
+        if cluster.tls.ca:
+            print(f"TLS on every gRPC port; clients verify with --tls-ca {cluster.tls.ca}", file=sys.stderr)
         if args.prometheus:
             from observe.prometheus import write_scrape_config
 
@@ -194,7 +209,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         if args.demo:
             from deploy.demo import run_demo
 
-            return run_demo(cluster.endpoint)
+            return run_demo(cluster.endpoint, tls_ca=cluster.tls.ca, api_key=os.environ.get("TIDEKV_API_KEY", ""))
         wait_for_signal("press Ctrl-C to stop")
     return 0
 
@@ -230,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--endpoint", default="", help="host:port of a Conductor; empty = single-process engine")
     g.add_argument("--tenant", default="")
+    g.add_argument("--api-key", default=os.environ.get("TIDEKV_API_KEY", ""),
+                   help="--endpoint: the cluster's API key (default: $TIDEKV_API_KEY)")
+    g.add_argument("--tls-ca", default="", help="--endpoint: PEM CA of a Conductor serving TLS")
     g.add_argument("--model", default="tiny", help="'tiny' or a checkpoint directory")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -249,13 +267,20 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--policy", default="mooncake")
     up.add_argument("--index", default="memory", help="memory or redis://127.0.0.1:6379")
     up.add_argument("--port", type=int, default=50051)
-    up.add_argument("--data-dir", default="", help="logs, SSD tiers and the calibration (default: a temporary "
-                                                   "directory; the calibration then goes to ~/.cache/tidekv)")
+    up.add_argument("--data-dir", default="", help="logs, state, SSD tiers and the calibration (default: SSD "
+                                                   "tiers in a temporary directory, logs and state in "
+                                                   "~/.cache/tidekv/up/<time>-<pid>, the calibration in "
+                                                   "~/.cache/tidekv)")
     up.add_argument("--calibration", default="", help="cost-model file for the Conductor (default: calibrate "
                                                       "once per model and machine)")
     up.add_argument("--demo", action="store_true", help="run the demo requests, then stop")
     up.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP front (0: a free port, "
                                                                 "-1: none)")
+    up.add_argument("--api-keys", default="", metavar="FILE",
+                    help="the public endpoint's API keys (`tidekv apikey add`); without it the endpoint takes "
+                         "no key and trusts each request's tenant (--insecure-no-auth, announced)")
+    up.add_argument("--tls", action="store_true", help="serve every gRPC port over TLS (certificates made in the "
+                                                       "data dir; clients need its tls/ca.pem)")
     up.add_argument("--prometheus", default="", metavar="FILE",
                     help="write a Prometheus scrape config for this cluster's /metrics endpoints to FILE")
     _add_ray_flags(up)
@@ -279,6 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_top_parser(sub)
     add_dashboard_parser(sub)
+    from deploy.security_cli import add_security_parsers
+    from deploy.status_cli import add_status_parser
+
+    add_security_parsers(sub)
+    add_status_parser(sub)
     serve = sub.add_parser("serve", help="run one process of a cluster", add_help=False)
     serve.add_argument("--role", required=True, choices=["conductor", "prefill", "decode", "http"])
     serve.set_defaults(func=_cmd_serve)

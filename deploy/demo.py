@@ -21,8 +21,8 @@ QUESTIONS = ["Disk 7 on node 12 reports errors. What now?",
              "Disk 7 on node 12 reports errors. What now?"]
 
 
-def run_demo(endpoint: str, max_tokens: int = 24) -> int:
-    client = Client(endpoint)
+def run_demo(endpoint: str, max_tokens: int = 24, api_key: str = "", tls_ca: str = "") -> int:
+    client = Client(endpoint, api_key=api_key, tls_ca=tls_ca)
     print(f"{'#':>2}  {'prompt':>6}  {'cached':>6}  {'TTFT ms':>8}  {'tok/s':>6}  workers            text")
     try:
         for i, q in enumerate(QUESTIONS):

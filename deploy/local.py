@@ -1,29 +1,50 @@
-"""Local process clusters: one Conductor plus prefill and decode workers on 127.0.0.1.
+"""Local process clusters: one Conductor plus prefill and decode workers on 127.0.0.1, supervised.
 
 ``LocalCluster`` starts each role as its own ``tidekv serve`` process, waits until every
-worker has registered with the Conductor, and on ``stop`` sends SIGTERM (drain) and then
-SIGKILL to whatever is left. Logs go to ``<data_dir>/logs/<name>.log``.
+worker has registered with the Conductor, then watches every process from a supervisor
+thread (``deploy/supervision.py``): an exit nobody asked for is reported (logged, kept in
+``events``, passed to ``on_event``) and, with ``ClusterConfig.supervise``, the process is
+started again with the same flags after a backoff; a worker re-registers under the same id
+by itself, a prefill worker finds its SSD tier in the same data dir, the Conductor and the
+HTTP front come back on the same ports. ``stop`` sends SIGTERM (drain) front to back and
+then SIGKILL to whatever is left. Each process logs to ``<log_dir>/<name>.log`` (default
+``<data_dir>/logs``), appended to with a separator line at every start and never deleted;
+the state (``deploy/cluster_state.py``: processes, and the workers' loads from the
+Conductor's registry, polled every ``WORKERS_POLL_S``) is rewritten to ``state_file``
+(default ``<data_dir>/state.json``) on every change.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
+from deploy.cluster_state import ClusterState, WorkerState, workers_from_response, write_state
+from deploy.supervision import ProcessEvent, RestartPolicy, Supervisor
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
-from runtime.grpc_server import channel
+from runtime.auth import OPERATOR, Member
+from runtime.certs import make_certs
+from runtime.grpc_server import TlsFiles
+
+log = logging.getLogger(__name__)
+
+WORKERS_POLL_S = 2.0  # how often the state file's worker loads are refreshed from the registry
 
 
 def free_port() -> int:
@@ -51,18 +72,39 @@ class ClusterConfig:
     decode_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict, hash=False)
     http_port: int = -1  # the OpenAI HTTP front: -1 none, 0 a free port
+    # Restart a process that dies while the cluster runs (`tidekv up` turns it on). Off by default
+    # (exits are still reported): tests and benches kill workers to watch the cluster fail over.
+    supervise: bool = False
+    restart_policy: RestartPolicy = RestartPolicy()
+    log_dir: str = ""  # "" = <data_dir>/logs
+    state_file: str = ""  # "" = <data_dir>/state.json
+    # The public endpoint's API keys file (conductor.apikeys); "" serves it without keys, under
+    # the Conductor's loud --insecure-no-auth (a local cluster is a demo or a test).
+    api_keys: str = ""
+    tls: bool = False  # serve every gRPC port over TLS with certificates made in <data_dir>/tls
 
 
 class LocalCluster:
-    def __init__(self, config: ClusterConfig = ClusterConfig()):
+    """``on_event(event)`` is called on the supervisor's thread for every ``ProcessEvent``."""
+
+    def __init__(self, config: ClusterConfig = ClusterConfig(),
+                 on_event: Callable[[ProcessEvent], None] | None = None):
         self.config = config
-        # A directory made here is removed by stop(); a given one (logs, SSD tiers) is kept.
+        # A directory made here is removed by stop() (with the logs and state inside it, unless
+        # log_dir and state_file put them elsewhere); a given one (logs, SSD tiers) is kept.
         self._owns_data_dir = not config.data_dir
         self.data_dir = Path(config.data_dir or tempfile.mkdtemp(prefix="tidekv-up-"))
         self.port = config.port or free_port()
         self.metrics_port = free_port()  # the Conductor's /metrics; workers pick their own
         self.http_port = (config.http_port or free_port()) if config.http_port >= 0 else -1
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.log_dir = Path(config.log_dir) if config.log_dir else self.data_dir / "logs"
+        self.state_file = Path(config.state_file) if config.state_file else self.data_dir / "state.json"
+        self._state_lock = threading.Lock()  # one writer of the state file at a time
+        self._workers: tuple[WorkerState, ...] = ()
+        self._workers_error = "the cluster is starting"
+        self._stop_watching = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._supervisor = Supervisor(config.supervise, config.restart_policy, on_event, self._write_state)
         # The cluster secret every member proves it knows (runtime.auth); made once per data dir.
         self.secret_file = self.data_dir / "cluster.secret"
         if not self.secret_file.exists():
@@ -70,6 +112,64 @@ class LocalCluster:
             fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_hex(32))
+        self.tls = TlsFiles()
+        if config.tls:
+            certs = self.data_dir / "tls"
+            if not (certs / "server.pem").exists():
+                make_certs(certs)
+            self.tls = TlsFiles(str(certs / "server.pem"), str(certs / "server.key"), str(certs / "ca.pem"))
+
+    def _tls_args(self, serves: bool = True) -> list[str]:
+        if not self.tls.ca:
+            return []
+        return (["--tls-cert", self.tls.cert, "--tls-key", self.tls.key] if serves else []) + ["--tls-ca", self.tls.ca]
+
+    @property
+    def procs(self) -> dict[str, subprocess.Popen]:
+        """Each process by name: the current one (a new one after a restart). A copy."""
+        return self._supervisor.procs()
+
+    @property
+    def events(self) -> list[ProcessEvent]:
+        """Every exit and restart the supervisor saw, oldest first."""
+        return self._supervisor.events
+
+    def kill(self, name: str, sig: signal.Signals = signal.SIGKILL, restart: bool = False) -> None:
+        """Sends ``sig`` to process ``name`` and returns. ``restart=False``: its exit is on
+        purpose (reported as stopped, never restarted); True: it counts as a crash (restarted
+        when the cluster supervises)."""
+        if not restart:
+            self._supervisor.expect_exit(name)
+        self.procs[name].send_signal(sig)
+
+    def state(self, refresh_workers: bool = False) -> ClusterState:
+        """Every process's state and each registered worker's load (``refresh_workers``: asked
+        of the Conductor now, else as last polled)."""
+        if refresh_workers:
+            self._refresh_workers()
+        return ClusterState(self.endpoint, self.http_url, str(self.log_dir), os.getpid(), time.time(),
+                            self._supervisor.states(), self._workers, self._workers_error)
+
+    def _write_state(self) -> None:
+        with self._state_lock:
+            try:
+                write_state(self.state_file, self.state())
+            except OSError as e:  # the cluster runs on without its state file
+                log.warning("cannot write the cluster state to %s: %s", self.state_file, e)
+
+    def _refresh_workers(self) -> None:
+        """Reads the registry; rewrites the state file if the workers or their loads changed."""
+        try:
+            workers, error = workers_from_response(self.workers()), ""
+        except grpc.RpcError as e:
+            workers, error = (), f"{e.code().name}: {e.details()}"
+        if (workers, error) != (self._workers, self._workers_error):
+            self._workers, self._workers_error = workers, error
+            self._write_state()
+
+    def _watch_workers(self) -> None:
+        while not self._stop_watching.wait(WORKERS_POLL_S):
+            self._refresh_workers()
 
     @property
     def http_url(self) -> str:
@@ -86,30 +186,42 @@ class LocalCluster:
         return f"127.0.0.1:{self.port}"
 
     def _spawn(self, name: str, role: str, args: list[str], nice: int = 0) -> None:
-        logs = self.data_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
+        """Starts process ``name`` and hands it to the supervisor, which starts it again the
+        same way after a crash. Every start appends to its log, after a separator line."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{name}.log"
         env = {**os.environ, "TIDEKV_TORCH_THREADS": str(self.config.threads_per_process),
                "TIDEKV_CLUSTER_SECRET_FILE": str(self.secret_file), **self.config.env}
         cmd = [sys.executable, "-m", "deploy.cli", "serve", "--role", role, *args]
-        with open(logs / f"{name}.log", "w") as log:
-            self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                                cwd=Path(__file__).resolve().parent.parent,
-                                                preexec_fn=(lambda: os.nice(nice)) if nice else None)
+
+        def launch() -> subprocess.Popen:
+            with open(log_path, "a") as f:
+                f.write(f"===== {time.strftime('%Y-%m-%d %H:%M:%S')} starting {name}: "
+                        f"tidekv serve --role {role} {shlex.join(args)} =====\n")
+                f.flush()
+                return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                        cwd=Path(__file__).resolve().parent.parent,
+                                        preexec_fn=(lambda: os.nice(nice)) if nice else None)
+
+        self._supervisor.add(name, role, launch, log_path)
+
+    def channel(self, address: str) -> grpc.Channel:
+        """A channel to one of this cluster's processes, signed as an operator (a member)."""
+        return Member(self.secret_file.read_text().strip().encode(), OPERATOR, self.tls).channel(address)
 
     def _spawn_conductor(self) -> None:
         c = self.config
-        calibration = ["--calibration", c.calibration] if c.calibration else []
+        extra = ["--calibration", c.calibration] if c.calibration else []
+        extra += ["--api-keys", c.api_keys] if c.api_keys else ["--insecure-no-auth"]
         self._spawn("conductor", "conductor", ["--port", str(self.port), "--model", c.model, "--policy", c.policy,
                                               "--index", c.index, "--metrics-port", str(self.metrics_port),
-                                              *calibration, *c.conductor_args])
+                                              *extra, *self._tls_args(), *c.conductor_args])
 
     def restart_conductor(self, timeout_s: float = 60.0) -> None:
-        """Kills the Conductor (SIGKILL: no drain) and starts a new one on the same port; the
-        workers re-register with it (and republish their blocks) on their next heartbeat."""
-        old = self.procs.pop("conductor")
-        old.kill()
-        old.wait()
-        self._spawn_conductor()
+        """Kills the Conductor (SIGKILL: no drain, on purpose: not a crash) and starts a new one
+        on the same port; the workers re-register with it (and republish their blocks) on their
+        next heartbeat."""
+        self._supervisor.replace("conductor")
         self.wait_ready(timeout_s)
 
     def start(self, timeout_s: float = 120.0) -> LocalCluster:
@@ -118,19 +230,24 @@ class LocalCluster:
         for i in range(c.num_prefill):
             self._spawn(f"prefill-{i}", "prefill", [
                 "--conductor", self.endpoint, "--worker-id", f"prefill-{i}", "--model", c.model,
-                "--data-dir", str(self.data_dir / f"prefill-{i}"), *c.prefill_args], nice=c.prefill_nice)
+                "--data-dir", str(self.data_dir / f"prefill-{i}"), *self._tls_args(), *c.prefill_args],
+                nice=c.prefill_nice)
         for i in range(c.num_decode):
             self._spawn(f"decode-{i}", "decode", ["--conductor", self.endpoint, "--worker-id", f"decode-{i}",
-                                                 "--model", c.model, *c.decode_args])
+                                                 "--model", c.model, *self._tls_args(), *c.decode_args])
         try:
             self.wait_ready(timeout_s)
             if self.http_port > 0:
                 self._spawn("http", "http", ["--conductor", self.endpoint, "--port", str(self.http_port),
-                                             "--model", c.model])
+                                             "--model", c.model, *self._tls_args(serves=False)])
                 self._wait_http(timeout_s)
         except BaseException:
             self.stop()
             raise
+        self._supervisor.start()
+        self._refresh_workers()
+        self._watcher = threading.Thread(target=self._watch_workers, name="tidekv-workers", daemon=True)
+        self._watcher.start()
         return self
 
     def _wait_http(self, timeout_s: float) -> None:
@@ -139,7 +256,7 @@ class LocalCluster:
         until = time.monotonic() + timeout_s
         while time.monotonic() < until:
             if self.procs["http"].poll() is not None:
-                tail = (self.data_dir / "logs" / "http.log").read_text()[-2000:]
+                tail = (self.log_dir / "http.log").read_text()[-2000:]
                 raise RuntimeError(f"the HTTP front exited with {self.procs['http'].returncode}:\n{tail}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/health", timeout=2):
@@ -149,8 +266,11 @@ class LocalCluster:
         raise RuntimeError(f"the HTTP front did not answer within {timeout_s:.0f}s")
 
     def workers(self) -> ipb.WorkersResponse:
-        stub = igrpc.RegistryStub(channel(self.endpoint))
-        return stub.Workers(ipb.WorkersRequest(), timeout=5)
+        ch = self.channel(self.endpoint)
+        try:
+            return igrpc.RegistryStub(ch).Workers(ipb.WorkersRequest(), timeout=5)
+        finally:
+            ch.close()
 
     def wait_ready(self, timeout_s: float) -> None:
         """Until every worker is registered and alive; RuntimeError naming a process that died."""
@@ -159,7 +279,7 @@ class LocalCluster:
         while time.monotonic() < until:
             for name, p in self.procs.items():
                 if p.poll() is not None:
-                    tail = (self.data_dir / "logs" / f"{name}.log").read_text()[-2000:]
+                    tail = (self.log_dir / f"{name}.log").read_text()[-2000:]
                     raise RuntimeError(f"{name} exited with {p.returncode} during start-up:\n{tail}")
             try:
                 if len(self.workers().workers) >= want:
@@ -167,28 +287,35 @@ class LocalCluster:
             except grpc.RpcError:
                 pass
             time.sleep(0.2)
-        raise RuntimeError(f"cluster not ready within {timeout_s:.0f}s (logs in {self.data_dir / 'logs'})")
+        raise RuntimeError(f"cluster not ready within {timeout_s:.0f}s (logs in {self.log_dir})")
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """Drains front to back: SIGTERM the HTTP front, then the Conductor, and wait (in-flight
-        requests finish on live workers), then SIGTERM the workers; SIGKILL whatever outlives
-        ``grace_s``."""
+        """Stops supervising (nothing is restarted from here on), then drains front to back:
+        SIGTERM the HTTP front, then the Conductor, and wait (in-flight requests finish on live
+        workers), then SIGTERM the workers; SIGKILL whatever outlives ``grace_s``. Writes the
+        final state; removes a data dir it made (see ``__init__``), else keeps everything. Idempotent."""
+        self._supervisor.stop()
+        self._stop_watching.set()
+        if self._watcher is not None:
+            self._watcher.join()
+        procs = self.procs
         until = time.monotonic() + grace_s
-        fronts = [[n for n in self.procs if n == "http"], [n for n in self.procs if n == "conductor"]]
-        for group in (*fronts, [n for n in self.procs if n not in ("http", "conductor")]):
+        fronts = [[n for n in procs if n == "http"], [n for n in procs if n == "conductor"]]
+        for group in (*fronts, [n for n in procs if n not in ("http", "conductor")]):
             for name in group:
-                if self.procs[name].poll() is None:
-                    self.procs[name].send_signal(signal.SIGTERM)
+                if procs[name].poll() is None:
+                    procs[name].send_signal(signal.SIGTERM)
             for name in group:
-                p = self.procs[name]
+                p = procs[name]
                 try:
                     p.wait(timeout=max(0.1, until - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
-        self.procs.clear()
-        if self._owns_data_dir:
-            shutil.rmtree(self.data_dir, ignore_errors=True)
+        self._workers, self._workers_error = (), "the cluster is stopped"
+        self._supervisor.mark_stopped()
+        if self._owns_data_dir:  # a test's or a bench's: nothing of it stays (`tidekv up` keeps
+            shutil.rmtree(self.data_dir, ignore_errors=True)  # its logs in a log_dir outside it)
 
     def __enter__(self) -> LocalCluster:
         return self.start()

@@ -19,6 +19,12 @@ bundles of its groups first; it shrinks newest first: drain, stop, kill, wait un
 Conductor has dropped the worker, and remove each group left empty. The launcher holds no
 state of its own: ``RayCluster.attach`` (``tidekv scale``) rebuilds it from the named actors and
 placement groups, and the cluster config is kept by the Conductor actor.
+
+Every actor gets the cluster secret (``runtime.auth``) as an argument and writes it to a file
+of its own (mode 0600) for its service: the one in the Conductor config's
+``cluster_secret_file`` when the driver has it, else a new one; the Conductor actor keeps it
+for later scale-ups. Ray's own channels carry it, so whoever may drive the Ray cluster holds
+it, as they can already run code in every actor.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import functools
 import importlib
 import os
 import re
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +48,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from conductor.config import ConductorConfig
 from decode_worker.config import DecodeConfig
 from prefill_worker.config import PrefillConfig
+from runtime.auth import load_secret, new_secret
 from runtime.settings import setup_torch
 
 NAMESPACE = "tidekv"
@@ -151,13 +160,22 @@ class RoleActor:
     """One role's service in a Ray actor process (see the module docstring). Thread-safe: the
     actor runs with several threads so ``ready`` answers while ``drain`` blocks."""
 
-    def __init__(self, role: str, config: Any, namespace: str, cluster: RayClusterConfig | None = None):
+    def __init__(self, role: str, config: Any, namespace: str, secret: str, cluster: RayClusterConfig | None = None):
         setup_torch(getattr(config, "threads", 0) or 1)
-        self.role, self.cluster = role, cluster
+        self.role, self.cluster, self._secret = role, cluster, secret
         self.node_ip = ray.util.get_node_ip_address()
+        self._secret_dir = tempfile.mkdtemp(prefix="tidekv-secret-")
+        secret_file = os.path.join(self._secret_dir, "cluster.secret")
+        with os.fdopen(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            f.write(secret)
+        config = dataclasses.replace(config, cluster_secret_file=secret_file)
         self.config = _placed(role, config, self.node_ip, namespace)
         self.service = importlib.import_module(BUILDERS[role]).build(self.config)
         self.service.start()
+
+    def secret(self) -> str:
+        """The cluster secret (the conductor actor's, for workers added later)."""
+        return self._secret
 
     def address(self) -> str:
         """The service's advertised address; a Conductor bound to a wildcard is dialled at its node's."""
@@ -190,6 +208,7 @@ class RoleActor:
 
     def stop(self) -> None:
         self.service.stop()
+        shutil.rmtree(self._secret_dir, ignore_errors=True)
 
 
 @functools.cache
@@ -210,6 +229,18 @@ class RayCluster:
         self.config = config
         self.ns = config.namespace
         self.endpoint = ""
+        self._cluster_secret = ""
+
+    def _secret(self) -> str:
+        """The cluster secret: the conductor actor's once it runs, else the config's file, else new."""
+        if not self._cluster_secret:
+            if CONDUCTOR in self._names():
+                self._cluster_secret = ray.get(ray.get_actor(CONDUCTOR, namespace=self.ns).secret.remote(), timeout=60)
+            elif self.config.conductor.cluster_secret_file:
+                self._cluster_secret = load_secret(self.config.conductor.cluster_secret_file).decode()
+            else:
+                self._cluster_secret = new_secret()
+        return self._cluster_secret
 
     @classmethod
     def attach(cls, namespace: str = NAMESPACE) -> RayCluster:
@@ -311,7 +342,7 @@ class RayCluster:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
         if role != CONDUCTOR and not config.worker_id:
             config = dataclasses.replace(config, worker_id=name)
-        return _remote_role().options(**options).remote(role, config, self.ns, cluster)
+        return _remote_role().options(**options).remote(role, config, self.ns, self._secret(), cluster)
 
     def _retire(self, actors: dict[str, Any], grace_s: float) -> None:
         """Drain (in parallel), stop and kill ``actors``; one that is already gone is skipped."""

@@ -18,6 +18,7 @@ class FrontConfig:
     default_max_tokens: int = 16        # completions without max_tokens (OpenAI's default)
     default_chat_max_tokens: int = 1024  # chat without max_(completion_)tokens, capped by the context
     health_timeout_s: float = 2.0       # /ready's call of the Conductor's health service
+    tls_ca: str = ""                    # PEM CA: dial the Conductor over TLS, verified against it
 
     def __post_init__(self) -> None:
         if not self.conductor or ":" not in self.conductor:
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout-s", type=float, default=FrontConfig.request_timeout_s)
     p.add_argument("--default-max-tokens", type=int, default=FrontConfig.default_max_tokens)
     p.add_argument("--default-chat-max-tokens", type=int, default=FrontConfig.default_chat_max_tokens)
+    p.add_argument("--tls-ca", default="", help="PEM CA: dial the Conductor over TLS, verified against it")
     return p
 
 
@@ -52,4 +54,4 @@ def config_from_args(argv: list[str] | None) -> FrontConfig:
     return FrontConfig(conductor=a.conductor, host=a.host, port=a.port, model=a.model,
                        served_model_name=a.served_model_name, chat_template=a.chat_template,
                        request_timeout_s=a.request_timeout_s, default_max_tokens=a.default_max_tokens,
-                       default_chat_max_tokens=a.default_chat_max_tokens)
+                       default_chat_max_tokens=a.default_chat_max_tokens, tls_ca=a.tls_ca)

@@ -5,7 +5,7 @@ status OpenAI uses for it. ``ApiError`` is raised anywhere in a handler and rend
 the app's exception handler. ``from_rpc`` maps a refused ``Generate`` call:
 
     INVALID_ARGUMENT    400  the Conductor's message, its field renamed to the OpenAI one
-    UNAUTHENTICATED     401  (API keys: the Conductor's decision, once authentication lands)
+    UNAUTHENTICATED     401  (API keys: the Conductor's decision, conductor.apikeys)
     PERMISSION_DENIED   403
     RESOURCE_EXHAUSTED  429  Retry-After from trailing metadata ``retry-after-s``
                         503  when the reason is that no workers are registered yet

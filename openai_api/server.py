@@ -19,6 +19,7 @@ import re
 import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -67,7 +68,11 @@ class Front:
     async def open(self) -> None:
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-        self.channel = grpc.aio.insecure_channel(self.config.conductor, options=options)
+        if self.config.tls_ca:
+            creds = grpc.ssl_channel_credentials(root_certificates=Path(self.config.tls_ca).read_bytes())
+            self.channel = grpc.aio.secure_channel(self.config.conductor, creds, options=options)
+        else:
+            self.channel = grpc.aio.insecure_channel(self.config.conductor, options=options)
         self.inference = pgrpc.InferenceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 

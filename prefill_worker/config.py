@@ -16,10 +16,14 @@ class PrefillConfig(WorkerConfig):
     data_dir: str = field(default="", metadata={"help": "SSD tier directory (default: a temporary one)"})
     eviction: str = field(default="lru", metadata={"help": "eviction policy: lru, lfu or arc"})
     max_frame_bytes: int = field(default=32 << 20, metadata={"help": "largest KV frame sent to a decode worker"})
+    fault_corrupt_frame: int = field(default=0, metadata={
+        "help": "TEST ONLY: flip a byte of this frame (1-based) of the first transfer connection, once (0: off)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.snapshot_interval_blocks < 1:
             raise ValueError(f"snapshot_interval_blocks {self.snapshot_interval_blocks} < 1")
+        if self.fault_corrupt_frame < 0:
+            raise ValueError(f"fault_corrupt_frame {self.fault_corrupt_frame} < 0")
         if self.dram_bytes < 0 or self.ssd_bytes < 0:
             raise ValueError(f"dram_bytes {self.dram_bytes} and ssd_bytes {self.ssd_bytes} must be >= 0")

@@ -59,6 +59,8 @@ class PrefillJob:
     holder_rpc_address: str  # "" = own store
     decode_address: str
     deadline_s: float
+    grant: bytes = b""  # the Conductor's grant for pulling from the holder (runtime.auth.grant)
+    grant_expiry_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,9 @@ class PrefillRunner:
             return PrefillOutcome(first, cached, prefill_s)
         except BaseException as e:
             if sender is not None:
-                sender.abort(job.request_id, f"prefill failed: {e}")
+                # Wait until the decode worker has handled the ABORT (and every frame before it):
+                # the Conductor may retry this request id on the same connection right away.
+                sender.abort(job.request_id, f"prefill failed: {e}", wait_s=self.hub.config.connect_timeout_s)
             raise
         finally:
             self.cache.release(seq)
@@ -182,7 +186,8 @@ class PrefillRunner:
     def _pull(self, job: PrefillJob, keys: list[bytes]) -> list[BlockPayload]:
         """Blocks from the holder worker; they are kept here too. [] when the pull fails."""
         try:
-            blobs = self.hub.pull_blocks(f"{job.request_id}/pull", job.holder_rpc_address, keys, job.deadline_s)
+            blobs = self.hub.pull_blocks(f"{job.request_id}/pull", job.holder_rpc_address, keys, job.deadline_s,
+                                         job.request_id, job.grant, job.grant_expiry_ms)
             payloads = [decode(b, expected_fingerprint=self.model.fingerprint) for b in blobs]
         except (TransferError, PayloadError) as e:
             log.warning("request %s: pulling %d blocks from %s failed (%s); recomputing",

@@ -3,7 +3,9 @@ embeddable service (``build(config)``, see ``runtime.service``) and as a process
 
 Block events of the store (stored / moved / removed) are queued; a Prefill response carries
 the ones produced up to its end so the Conductor publishes them before the next request
-routes, and heartbeats carry the rest (evictions between requests).
+routes, and heartbeats carry the rest (evictions between requests). Only the Conductor this
+worker registered with may call Prefill; PushBlocks serves a member only with the
+Conductor's grant for exactly that pull (``runtime.auth``); any member may read Stats.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import uuid
 import grpc
 
 import engine
+from engine.warmup import warm_up
 from kvstore.metrics import StoreMetrics
 from kvstore.store import StoreConfig, StoreEvent, TieredStore
-from kvstore.transfer.base import TransferConfig, TransferError
+from kvstore.transfer.base import FaultInjection, TransferConfig, TransferError
 from prefill_worker.config import PrefillConfig
 from prefill_worker.metrics import PrefillMetrics
 from prefill_worker.runner import Busy, Cancelled, PrefillJob, PrefillRunner
@@ -27,6 +30,7 @@ from prefill_worker.transfers import TransferHub
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
 from proto.convert import block_event, sampling_from_proto
+from runtime.auth import AuthError, Need, WorkerCredential, check_grant, current_principal, derive, refuse, worker_of
 from runtime.grpc_server import follow_readiness, start_server
 from runtime.metrics import Identity, start_metrics
 from runtime.service import ServiceBase, serve_until_signal
@@ -34,6 +38,10 @@ from runtime.settings import parse_config, setup_torch
 from runtime.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
+
+
+NEEDS = {"/tidekv.v1.Prefill/Prefill": Need.SESSION, "/tidekv.v1.Prefill/PushBlocks": Need.MEMBER,
+         "/tidekv.v1.Prefill/Stats": Need.MEMBER}
 
 
 class EventQueue:
@@ -54,8 +62,8 @@ class EventQueue:
 
 
 class PrefillService(igrpc.PrefillServicer):
-    def __init__(self, runner: PrefillRunner, hub: TransferHub, events: EventQueue):
-        self.runner, self.hub, self.events = runner, hub, events
+    def __init__(self, runner: PrefillRunner, hub: TransferHub, events: EventQueue, credential: WorkerCredential):
+        self.runner, self.hub, self.events, self.credential = runner, hub, events, credential
 
     def Prefill(self, request: ipb.PrefillRequest, context: grpc.ServicerContext) -> ipb.PrefillResponse:
         job = PrefillJob(
@@ -63,6 +71,7 @@ class PrefillService(igrpc.PrefillServicer):
             params=sampling_from_proto(request.sampling), block_keys=tuple(request.block_keys),
             reuse_blocks=request.reuse.num_blocks, holder_rpc_address=request.reuse.holder_rpc_address,
             decode_address=request.decode_transfer_address, deadline_s=request.deadline_s or 60.0,
+            grant=request.reuse.grant, grant_expiry_ms=request.reuse.grant_expiry_ms,
         )
         try:
             out = self.runner.run(job, lambda: not context.is_active())
@@ -79,6 +88,12 @@ class PrefillService(igrpc.PrefillServicer):
 
     def PushBlocks(self, request: ipb.PushBlocksRequest, context: grpc.ServicerContext) -> ipb.PushBlocksResponse:
         keys = list(request.block_keys)
+        puller = worker_of(current_principal(context)) or ""
+        try:
+            check_grant(self.credential.session_key, request.grant, request.grant_expiry_ms, request.request_id,
+                        puller, request.dest_transfer_address, keys)
+        except AuthError as e:
+            refuse(context, e, f"PushBlocks of {len(keys)} blocks by {puller or 'a non-worker'}")
         store = self.runner.store
         if not store.pin(keys):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "some requested blocks are no longer held here")
@@ -116,6 +131,7 @@ class PrefillWorker(ServiceBase):
         super().__init__()
         self.config = config
         self.worker_id = config.worker_id or f"prefill-{uuid.uuid4().hex[:6]}"
+        self.credential = WorkerCredential.new(config.cluster_secret_file, self.worker_id, config.tls)
         self.data_dir = config.data_dir
         self._runner: PrefillRunner | None = None
         self._link: WorkerLink | None = None
@@ -150,15 +166,19 @@ class PrefillWorker(ServiceBase):
                                         snapshot_interval_blocks=cfg.snapshot_interval_blocks),
                             on_event=events.on_event, metrics=StoreMetrics(ident))
         self._closing.callback(store.close)
+        faults = FaultInjection(corrupt_seq=cfg.fault_corrupt_frame) if cfg.fault_corrupt_frame else None
         hub = TransferHub(TransferConfig(bind_host=cfg.host, advertise_host=cfg.advertised_host,
-                                         max_frame_bytes=cfg.max_frame_bytes), cfg.transfer_backend)
+                                         max_frame_bytes=cfg.max_frame_bytes,
+                                         auth_key=derive(self.credential.member.secret, "transfer")),
+                          cfg.transfer_backend, member=self.credential.member, faults=faults)
         self._closing.callback(hub.close)
         self._transfer_address = hub.address
         self._runner = runner = PrefillRunner(model, store, hub, cfg.num_pages, cfg.block_size,
                                               cfg.snapshot_interval_blocks, metrics=PrefillMetrics(ident))
-        service = PrefillService(runner, hub, events)
+        service = PrefillService(runner, hub, events, self.credential)
         self._running = start_server([lambda s: igrpc.add_PrefillServicer_to_server(service, s)],
-                                     ["tidekv.v1.Prefill"], cfg.host, cfg.port, advertise_host=cfg.advertised_host)
+                                     ["tidekv.v1.Prefill"], cfg.host, cfg.port, advertise_host=cfg.advertised_host,
+                                     interceptors=[self.credential.interceptor(NEEDS)], tls=cfg.tls)
         self._closing.callback(self._running.stop, 0)
         info = ipb.WorkerInfo(worker_id=self.worker_id, role=ipb.WORKER_ROLE_PREFILL,
                               rpc_address=self._running.address, transfer_address=hub.address,
@@ -169,7 +189,10 @@ class PrefillWorker(ServiceBase):
         def all_blocks() -> list[ipb.BlockEvent]:
             return [block_event(k, t, store.has_snapshot(k)) for t in store.tiers for k in store.keys(t)]
 
-        self._link = WorkerLink(cfg.conductor, info, runner.load, all_blocks, drain_events=events.drain)
+        if cfg.warmup:
+            log.info("warmed up in %.2f s", warm_up(model, cfg.block_size))
+        self._link = WorkerLink(cfg.conductor, info, runner.load, self.credential, all_blocks,
+                                drain_events=events.drain)
         self._link.start()
         self._closing.callback(self._link.stop)
         self._closing.callback(follow_readiness(self._running, self.ready))
@@ -196,7 +219,10 @@ def build(config: PrefillConfig) -> PrefillWorker:
 def serve(argv: list[str] | None = None) -> None:
     """``tidekv serve --role prefill``: flags and ``TIDEKV_*`` -> build -> serve until SIGTERM/SIGINT."""
     cfg = parse_config(PrefillConfig, argv, prog="tidekv serve --role prefill")
-    worker = build(cfg)
+    try:
+        worker = build(cfg)
+    except ValueError as e:
+        raise SystemExit(f"tidekv prefill worker: {e}") from e
     setup_torch(cfg.threads or None)
 
     def announce(w: PrefillWorker) -> None:

@@ -9,6 +9,7 @@ return an exit status. Bad arguments raise ValueError with the flag and the valu
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -64,6 +65,9 @@ def add_replay_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=300.0, help="per-request gRPC deadline")
     p.add_argument("--out", default="", help="report directory (default replay-<date>-<time>)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--api-key", default=os.environ.get("TIDEKV_API_KEY", ""),
+                   help="API key of the cluster's public endpoint (default: $TIDEKV_API_KEY)")
+    p.add_argument("--tls-ca", default="", help="PEM CA of a Conductor serving TLS")
     p.set_defaults(func=run_replay)
     return p
 
@@ -129,7 +133,8 @@ def run_replay(args: argparse.Namespace) -> int:
     print(f"replaying {len(scaled.requests)} of {scaled.num_in_trace} requests over {last:.1f}s "
           f"against {args.endpoint} (concurrency {args.max_concurrency}) -> {out}", file=sys.stderr)
     result = run_live_replay(scaled, args.endpoint, max_concurrency=args.max_concurrency, out_dir=out,
-                             timeout_s=args.timeout_s, plots=not args.no_plots)
+                             timeout_s=args.timeout_s, plots=not args.no_plots, api_key=args.api_key,
+                             tls_ca=args.tls_ca)
     print(summary_text(result.summary))
     print(f"report: {out}")
     if result.summary.run.get("interrupted"):

@@ -206,12 +206,15 @@ def _dispatch(sender: _Sender, requests: Sequence[ReplayRequest], pool: ThreadPo
 
 def run_live_replay(trace_requests: ScaledTrace | Sequence[ReplayRequest], endpoint: str, *,
                     max_concurrency: int = 16, out_dir: str | Path | None = None, timeout_s: float = 300.0,
-                    plots: bool = True, progress: bool = True, progress_stream: TextIO | None = None) -> LiveResult:
+                    plots: bool = True, progress: bool = True, progress_stream: TextIO | None = None,
+                    api_key: str = "", tls_ca: str = "") -> LiveResult:
     """Replays the requests against the Conductor at ``endpoint`` and returns one record per
     request (arrival order) and the summary; with ``out_dir``, writes the report there.
     Blocks until every request has ended (each call is bounded by ``timeout_s``). Ctrl-C cancels
     what is in flight, records the rest as cancelled, and still returns (and writes) the report.
-    The progress line goes to ``progress_stream`` (default: the current ``sys.stderr``)."""
+    The progress line goes to ``progress_stream`` (default: the current ``sys.stderr``).
+    ``api_key`` authenticates every request (gRPC metadata or the HTTP header); ``tls_ca``
+    verifies a Conductor serving TLS."""
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     scaled = trace_requests if isinstance(trace_requests, ScaledTrace) else None
@@ -221,10 +224,10 @@ def run_live_replay(trace_requests: ScaledTrace | Sequence[ReplayRequest], endpo
         raise ValueError(f"request {unmaterialised} has no prompt tokens: apply_transform(..., materialise=True)")
     bar = Progress(len(requests), (progress_stream or sys.stderr) if progress else None)
     if is_http(endpoint):  # the OpenAI HTTP front's base URL
-        sender = HttpSender(endpoint, time.perf_counter(), timeout_s, uuid.uuid4().hex[:8], bar)
+        sender = HttpSender(endpoint, time.perf_counter(), timeout_s, uuid.uuid4().hex[:8], bar, api_key=api_key)
         client = sender
     else:
-        client = Client(endpoint)
+        client = Client(endpoint, api_key=api_key, tls_ca=tls_ca)
         sender = _Sender(client, time.perf_counter(), timeout_s, uuid.uuid4().hex[:8], bar)
     futures: list[Future | None] = [None] * len(requests)
     try:

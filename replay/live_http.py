@@ -35,12 +35,13 @@ def _body(r: ReplayRequest, request_id: str, model: str) -> dict[str, Any]:
 
 class HttpSender:
     def __init__(self, base_url: str, t0: float, timeout_s: float, run_tag: str, progress: Progress,
-                 model: str = ""):
+                 model: str = "", api_key: str = ""):
         self.base_url, self.t0, self.timeout_s, self.run_tag, self.progress = (
             base_url.rstrip("/"), t0, timeout_s, run_tag, progress)
         self.model = model
         self.stopping = threading.Event()
-        self._client = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0))
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers)
 
     def now_s(self) -> float:
         return time.perf_counter() - self.t0

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,6 +28,37 @@ log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20
 LIVENESS = "tidekv.liveness"  # health name: SERVING from start to stop, whatever the readiness
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files: ``cert``+``key`` make a server serve TLS; ``ca`` makes a client verify it.
+    ``tidekv certs`` makes a local CA and a server certificate for the cluster's hosts."""
+
+    cert: str = ""
+    key: str = ""
+    ca: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
+
+    @property
+    def serves(self) -> bool:
+        return bool(self.cert)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(_read(self.key, "tls_key"), _read(self.cert, "tls_cert"))])
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        return grpc.ssl_channel_credentials(root_certificates=_read(self.ca, "tls_ca")) if self.ca else None
+
+
+def _read(path: str, field: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"{field} {path}: {e.strerror or e}") from e
 
 
 @dataclass
@@ -56,19 +88,28 @@ class RunningServer:
 def start_server(
     add_services: Sequence[Callable[[grpc.Server], None]], service_names: Sequence[str],
     host: str = "127.0.0.1", port: int = 0, max_workers: int = 64, advertise_host: str = "",
+    interceptors: Sequence[grpc.ServerInterceptor] = (), tls: TlsFiles | None = None,
+    max_receive_bytes: int = MAX_MESSAGE_BYTES,
 ) -> RunningServer:
     """Binds ``host:port`` and starts serving (health SERVING). ``advertise_host`` (default:
-    ``host``, loopback for a wildcard) is the host in ``RunningServer.address``."""
+    ``host``, loopback for a wildcard) is the host in ``RunningServer.address``.
+    ``interceptors`` see every call first (``runtime.auth.AuthInterceptor``); ``tls`` with a
+    certificate serves TLS; a message over ``max_receive_bytes`` is refused by gRPC itself
+    (RESOURCE_EXHAUSTED) before it is read into memory."""
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", max_receive_bytes),
                ("grpc.so_reuseport", 0)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
+                         interceptors=list(interceptors))
     for add in add_services:
         add(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls is not None and tls.serves:
+        bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"cannot bind {host}:{port}")
     server.start()
@@ -101,7 +142,12 @@ def follow_readiness(running: RunningServer, ready: Callable[[], bool], interval
     return lambda: (stop.set(), thread.join(timeout=5))
 
 
-def channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+def channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
+    """A channel to ``address``: TLS verified against ``tls.ca`` when one is given."""
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    creds = tls.channel_credentials() if tls is not None else None
+    if creds is not None:
+        return grpc.secure_channel(address, creds, options=options)
+    return grpc.insecure_channel(address, options=options)
 

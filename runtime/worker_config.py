@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine import DEFAULT_BLOCK_SIZE
+from runtime.grpc_server import TlsFiles
 
 TRANSFER_BACKENDS = ("tcp", "shm", "ucx")
 
@@ -32,6 +33,13 @@ class WorkerConfig:
     device: str = field(default="cpu", metadata={"help": "cpu or cuda[:N]"})
     threads: int = field(default=0, metadata={"help": "torch threads (0: TIDEKV_TORCH_THREADS, default 1)"})
     drain_timeout_s: float = field(default=30.0, metadata={"help": "SIGTERM: finish held requests for this long"})
+    warmup: bool = field(default=True, metadata={"help": "run a prefill and decode steps on a scratch cache "
+                                                         "before registering, so the first request is not slower"})
+    cluster_secret_file: str = field(default="", metadata={"help": "file with the secret every cluster member "
+                                                                   "shares (required; `tidekv secret --out FILE`)"})
+    tls_cert: str = field(default="", metadata={"help": "PEM certificate: serve gRPC over TLS (with --tls-key)"})
+    tls_key: str = field(default="", metadata={"help": "PEM private key of --tls-cert"})
+    tls_ca: str = field(default="", metadata={"help": "PEM CA: dial the Conductor and peers over TLS, verified"})
 
     def __post_init__(self) -> None:
         if self.num_pages < 1 or self.block_size < 1:
@@ -42,6 +50,7 @@ class WorkerConfig:
             raise ValueError(f"metrics_port {self.metrics_port} not in -1..65535 (-1: off, 0: a free port)")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s {self.drain_timeout_s} < 0")
+        self.tls  # noqa: B018 - tls_cert without tls_key fails here, naming both
 
     @property
     def advertised_host(self) -> str:
@@ -49,6 +58,10 @@ class WorkerConfig:
         if self.advertise_host:
             return self.advertise_host
         return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
     def require_conductor(self) -> None:
         if not self.conductor:

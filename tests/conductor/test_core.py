@@ -142,7 +142,7 @@ def test_every_policy_rejects_with_a_reason_and_a_retry_hint() -> None:
 
 @pytest.mark.parametrize("kind", list(FailureKind))
 def test_only_failures_another_worker_may_not_have_are_retried(kind: FailureKind) -> None:
-    retryable = kind in (FailureKind.UNAVAILABLE, FailureKind.BUSY, FailureKind.TRANSFER)
+    retryable = kind in (FailureKind.UNAVAILABLE, FailureKind.BUSY, FailureKind.TRANSFER, FailureKind.STALLED)
     assert should_retry(kind, attempt=1, max_attempts=2, cancelled=False) is retryable
     assert should_retry(kind, attempt=2, max_attempts=2, cancelled=False) is False
     assert should_retry(kind, attempt=1, max_attempts=3, cancelled=True) is False
@@ -174,23 +174,36 @@ def test_bad_config_values_name_the_setting() -> None:
         parse_config(ConductorConfig, [], {"TIDEKV_POLICY": "mooncak"})
 
 
-def test_a_worker_restarted_under_its_id_loses_its_old_blocks() -> None:
+def test_a_worker_id_is_bound_to_its_instance() -> None:
+    """The same instance registering again (a lost heartbeat) keeps its blocks; another
+    instance is refused while the first is alive, and replaces it (dropping its blocks) once
+    it has stopped heartbeating; a member may register only its own id."""
     from conductor.cluster import Cluster
     from kvstore.blocks import Tier
     from kvstore.index import BlockEvent
     from proto import internal_pb2 as ipb
+    from runtime.auth import CONDUCTOR, Member, worker_principal
 
-    index = MemoryIndex(ttl_s=1e9)
-    cluster = Cluster(index)
+    now = [0.0]
+    index = MemoryIndex(ttl_s=3.0, clock=lambda: now[0])
+    cluster = Cluster(index, Member(b"s" * 64, CONDUCTOR))
     info = ipb.WorkerInfo(worker_id="p0", role=ipb.WORKER_ROLE_PREFILL, rpc_address="127.0.0.1:1",
-                          transfer_address="tcp://127.0.0.1:2", model_fingerprint="fp", block_size=16)
-    assert cluster.register(info) is None
+                          transfer_address="tcp://127.0.0.1:2", model_fingerprint="fp", block_size=16,
+                          instance_id="a" * 32)
+    me = worker_principal("p0")
+    assert cluster.register(info, me) is None
     key = bytes(16)
     index.apply([BlockEvent.stored("p0", key, Tier.DRAM, True)])
-    assert cluster.register(info) is None  # the same process again (a lost heartbeat): keeps its blocks
+    assert cluster.register(info, me) is None  # the same process again: keeps its blocks
     assert index.match([key]).get("p0").num_blocks_present == 1
-    moved = ipb.WorkerInfo()
-    moved.CopyFrom(info)
-    moved.rpc_address = "127.0.0.1:3"  # a new process under the same id
-    assert cluster.register(moved) is None
+    other = ipb.WorkerInfo()
+    other.CopyFrom(info)
+    other.rpc_address, other.instance_id = "127.0.0.1:3", "b" * 32
+    assert "alive at 127.0.0.1:1 as another instance" in cluster.register(other, me)
+    assert cluster.session_key_for(me) is not None and cluster.endpoint("p0").info.rpc_address == "127.0.0.1:1"
+    assert "may not register worker p0" in cluster.register(other, worker_principal("p1"))
+    now[0] += 10  # the first instance stopped heartbeating
+    index.reap_expired()
+    assert cluster.register(other, me) is None
+    assert cluster.endpoint("p0").info.rpc_address == "127.0.0.1:3"
     assert index.match([key]).get("p0").num_blocks_present == 0

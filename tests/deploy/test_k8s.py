@@ -327,6 +327,23 @@ def check_labels(objs: list[dict]) -> list[str]:
 
 SERVICE_MONITOR_SPEC = {"selector", "endpoints", "namespaceSelector", "podTargetLabels", "targetLabels", "jobLabel",
                         "sampleLimit", "targetLimit", "labelLimit", "attachMetadata"}
+def check_credentials(objs: list[dict]) -> list[str]:
+    """Every role reads the cluster secret from a Secret volume it mounts; the Conductor reads
+    its API keys the same way and never serves without them."""
+    problems = []
+    for role, workload, c in tidekv_containers(objs):
+        env = container_env(objs, c)
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
+        for key in ["TIDEKV_CLUSTER_SECRET_FILE"] + (["TIDEKV_API_KEYS"] if role == "conductor" else []):
+            path = env.get(key, "")
+            mounts = [m for m in c.get("volumeMounts", []) if path.startswith(m["mountPath"].rstrip("/") + "/")]
+            if not path or not mounts or "secret" not in volumes.get(mounts[0]["name"], {}):
+                problems.append(f"{role}: {key}={path!r} is not a file of a mounted Secret")
+        if env.get("TIDEKV_INSECURE_NO_AUTH", "0") not in ("0", "false"):
+            problems.append(f"{role}: TIDEKV_INSECURE_NO_AUTH is on")
+    return problems
+
+
 SERVICE_MONITOR_ENDPOINT = {"port", "targetPort", "path", "scheme", "interval", "scrapeTimeout", "honorLabels",
                             "honorTimestamps", "relabelings", "metricRelabelings", "params", "tlsConfig",
                             "authorization", "followRedirects", "enableHttp2", "filterRunning"}
@@ -369,7 +386,7 @@ def _endpoint_problems(ep: dict, services: list[dict]) -> list[str]:
 
 CHECKS: list[Callable[[list[dict]], list[str]]] = [
     check_containers, check_volumes, check_ports, check_grace_periods, check_network_policies, check_settings,
-    check_labels, check_service_monitors,
+    check_labels, check_service_monitors, check_credentials,
 ]
 
 
@@ -449,6 +466,11 @@ MUTATIONS: dict[str, tuple[str, Callable[[list[dict]], object], Callable[[list[d
                                    check_settings),
     "wrong conductor address": ("overlays/cpu-tiny", lambda o: _set_env(o, "decode", "TIDEKV_CONDUCTOR",
                                                                         "tidekv-conductor:1"), check_settings),
+    "secret not mounted": ("overlays/cpu-tiny", lambda o: _container(o, "prefill")["volumeMounts"].pop(
+        next(i for i, m in enumerate(_container(o, "prefill")["volumeMounts"]) if m["name"] == "cluster-secret")),
+        check_credentials),
+    "public endpoint without keys": ("overlays/gpu", lambda o: _set_env(o, "conductor", "TIDEKV_INSECURE_NO_AUTH",
+                                                                        "1"), check_credentials),
     "pod without a role label": ("overlays/cpu-tiny", lambda o: _find(o, "Deployment", "tidekv-decode")["spec"][
         "template"]["metadata"]["labels"].pop("tidekv.io/role"), check_labels),
     "scrapes a missing port": ("overlays/gpu", lambda o: _find(o, "ServiceMonitor", "tidekv")["spec"]["endpoints"][0]

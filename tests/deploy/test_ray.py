@@ -186,7 +186,7 @@ def check_decode_scales(cluster: RayCluster, reference, ray_address: str) -> Non
 
 def test_ray_cluster_lifecycle(ray_head, reference, tmp_path):
     config = RayClusterConfig(
-        conductor=ConductorConfig(port=free_port(), policy="round_robin", worker_ttl_s=2.0),
+        conductor=ConductorConfig(port=free_port(), policy="round_robin", worker_ttl_s=2.0, insecure_no_auth=True),
         # A given data dir (one SSD tier per worker under it): a killed actor leaves nothing in /tmp.
         prefill=PrefillConfig(block_size=BLOCK, num_pages=256, drain_timeout_s=10, data_dir=str(tmp_path)),
         decode=DecodeConfig(block_size=BLOCK, num_pages=512, drain_timeout_s=10),

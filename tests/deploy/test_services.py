@@ -31,8 +31,8 @@ from prefill_worker.config import PrefillConfig
 from prefill_worker.server import build as build_prefill
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
-from runtime.grpc_server import channel
 from runtime.service import Service
+from tests.auth_support import SECRET_ENV, SECRET_FILE, operator_channel
 from tests.e2e.helpers import prompt, run_all
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ def check_exact(endpoint: str, reference, lengths: list[int], max_tokens: int = 
 
 
 def registered(endpoint: str) -> list[ipb.WorkerInfo]:
-    ch = channel(endpoint)
+    ch = operator_channel(endpoint)
     try:
         return list(igrpc.RegistryStub(ch).Workers(ipb.WorkersRequest(), timeout=5).workers)
     finally:
@@ -84,12 +84,13 @@ def refuses_connections(address: str) -> bool:
 # ---- (a) the three roles embedded in this process --------------------------------------------
 
 def test_roles_embedded_in_one_process(reference):
-    conductor = build_conductor(ConductorConfig(port=free_port(), policy="round_robin"))
+    conductor = build_conductor(ConductorConfig(port=free_port(), policy="round_robin", insecure_no_auth=True,
+                                                cluster_secret_file=SECRET_FILE))
     conductor.start()
     workers: list[Service] = []
     try:
         assert conductor.address and not conductor.ready()  # serving, but no worker of either role yet
-        common = dict(conductor=conductor.address, block_size=BLOCK)
+        common = dict(conductor=conductor.address, block_size=BLOCK, cluster_secret_file=SECRET_FILE)
         workers = [build_prefill(PrefillConfig(worker_id="prefill-e", num_pages=256, **common)),
                    build_decode(DecodeConfig(worker_id="decode-e", num_pages=512, **common))]
         for w in workers:
@@ -116,12 +117,15 @@ def test_roles_embedded_in_one_process(reference):
 
 
 def test_a_failed_start_leaves_nothing_behind():
-    worker = build_prefill(PrefillConfig(conductor="127.0.0.1:1", max_frame_bytes=1024))
+    worker = build_prefill(PrefillConfig(conductor="127.0.0.1:1", max_frame_bytes=1024,
+                                         cluster_secret_file=SECRET_FILE))
     with pytest.raises(ValueError, match="max-frame-bytes"):
         worker.start()
     assert not worker.ready()
     with pytest.raises(ValueError, match="--conductor"):
         build_decode(DecodeConfig())
+    with pytest.raises(ValueError, match="--cluster-secret-file"):
+        build_decode(DecodeConfig(conductor="127.0.0.1:1"))
 
 
 # ---- (b, c) three `tidekv serve` processes -----------------------------------------------------
@@ -136,7 +140,7 @@ class ServeProcesses:
     def spawn(self, name: str, role: str, args: list[str], env: dict[str, str]) -> None:
         cmd = [sys.executable, "-m", "deploy.cli", "serve", "--role", role, *args]
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEKV_")}
-        full_env |= {"TIDEKV_TORCH_THREADS": "1", **env}
+        full_env |= {"TIDEKV_TORCH_THREADS": "1", **SECRET_ENV, **env}
         with open(self.log_dir / f"{name}.log", "w") as log:
             self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
 
@@ -171,7 +175,7 @@ def serve_cluster(tmp_path_factory):
     endpoint = f"127.0.0.1:{free_port()}"
     try:
         procs.spawn("conductor", "conductor", ["--port", endpoint.rsplit(":", 1)[1]],
-                    {"TIDEKV_POLICY": "round_robin", "TIDEKV_WORKER_TTL_S": "3"})
+                    {"TIDEKV_POLICY": "round_robin", "TIDEKV_WORKER_TTL_S": "3", "TIDEKV_INSECURE_NO_AUTH": "1"})
         def conductor_up() -> bool:
             procs.check_alive()
             return "serving on" in procs.log("conductor")

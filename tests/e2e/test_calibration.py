@@ -5,6 +5,7 @@ the Conductor refuse workers of this one, naming the file. Real processes throug
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,9 @@ from costmodel.builtin import tiny_cpu_estimate
 from deploy.local import free_port
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
+from runtime.auth import Member, worker_principal
 from runtime.grpc_server import channel
+from tests.auth_support import SECRET_ENV, SECRET_FILE
 from tests.e2e.conftest import make_cluster
 from tests.e2e.helpers import prompt
 
@@ -63,13 +66,14 @@ def test_a_calibration_for_another_model_refuses_this_models_workers(tmp_path, r
     other.save(path)
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--role", "conductor", "--port", str(port),
-                             "--calibration", str(path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                             "--calibration", str(path), "--insecure-no-auth"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, **SECRET_ENV})
     try:
-        stub = igrpc.RegistryStub(channel(f"127.0.0.1:{port}"))
+        member = Member(Path(SECRET_FILE).read_text().encode(), worker_principal("p0"))
+        stub = igrpc.RegistryStub(member.channel(f"127.0.0.1:{port}"))
         info = ipb.WorkerInfo(worker_id="p0", role=ipb.WORKER_ROLE_PREFILL, rpc_address="127.0.0.1:1",
                               transfer_address="tcp://127.0.0.1:2", model_fingerprint=reference.fingerprint,
-                              block_size=16, num_pages_total=8)
+                              block_size=16, num_pages_total=8, instance_id="0123456789abcdef0123")
         grpc.channel_ready_future(channel(f"127.0.0.1:{port}")).result(timeout=60)
         resp = stub.Register(ipb.RegisterRequest(info=info), timeout=10)
         assert not resp.accepted

@@ -44,6 +44,7 @@ from prefill_worker.transfers import TransferHub
 from proto import inference_pb2 as pb
 from proto import internal_pb2 as ipb
 from proto.convert import load_to_proto
+from runtime.auth import CONDUCTOR, Member, worker_principal
 from runtime.metrics import Identity
 
 BS = 16
@@ -133,11 +134,12 @@ class InProcCluster:
                                          metrics=DecodeMetrics(Identity(DECODE, "decode", "tiny"), registry))
         self.scheduler.start()
         self.receiver = Receiver(TransferConfig())
-        self.cluster = Cluster(MemoryIndex(ttl_s=3600))
+        self.cluster = Cluster(MemoryIndex(ttl_s=3600), Member(b"in-process" * 8, CONDUCTOR))
         for worker_id, role, pages in ((PREFILL, ipb.WORKER_ROLE_PREFILL, 512), (DECODE, ipb.WORKER_ROLE_DECODE, 1024)):
             reason = self.cluster.register(ipb.WorkerInfo(
                 worker_id=worker_id, role=role, rpc_address="127.0.0.1:1", transfer_address=self.receiver.address,
-                model_fingerprint=self.model.fingerprint, block_size=BS, num_pages_total=pages))
+                model_fingerprint=self.model.fingerprint, block_size=BS, num_pages_total=pages,
+                instance_id="i" * 32), worker_principal(worker_id))
             assert reason is None, reason
         self.heartbeat()
         policy = make_policy(config.policy, PolicyContext(config.routing, tiny_cpu_estimate()))

@@ -5,6 +5,7 @@ once registered and turns NOT_SERVING while it drains (finishing what it holds);
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conductor.client import Client
 from deploy.local import free_port
 from runtime.grpc_server import LIVENESS, channel
+from tests.auth_support import SECRET_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -47,7 +49,7 @@ def wait_status(address: str, want: int, service: str = "", timeout_s: float = 9
 
 def spawn(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", *args], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **SECRET_ENV})
 
 
 @pytest.fixture
@@ -63,7 +65,7 @@ def procs():
 def test_readiness_follows_registration_and_drain(procs):
     cport, pport, dport = free_port(), free_port(), free_port()
     conductor = f"127.0.0.1:{cport}"
-    procs.append(spawn("--role", "conductor", "--port", str(cport)))
+    procs.append(spawn("--role", "conductor", "--port", str(cport), "--insecure-no-auth"))
     assert wait_status(conductor, SERVING, LIVENESS) == SERVING  # up ...
     assert status(conductor) == NOT_SERVING  # ... but with no worker it cannot serve
 
