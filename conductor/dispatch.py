@@ -37,7 +37,7 @@ class FailureKind(enum.StrEnum):
 RETRYABLE = frozenset({FailureKind.UNAVAILABLE, FailureKind.BUSY, FailureKind.TRANSFER, FailureKind.STALLED})
 # A decode stream broken by the worker (it died, is unreachable, or failed the request itself);
 # not by the request (its deadline, the client leaving, a call out of order).
-MIGRATABLE = frozenset({FailureKind.UNAVAILABLE, FailureKind.TRANSFER, FailureKind.INTERNAL})
+MIGRATABLE = frozenset({FailureKind.UNAVAILABLE, FailureKind.TRANSFER, FailureKind.INTERNAL, FailureKind.STALLED})
 # A prefill attempt may take this many times the policy's predicted TTFT before it counts as
 # stalled. The prediction (mooncake's) already holds the queue the request joined and the
 # worker's observed slowdown (conductor.speed), so a working worker stays well inside it; one
@@ -73,6 +73,19 @@ def prefill_timeout_s(floor_s: float, predicted_ttft_s: float) -> float:
     if floor_s < 0 or predicted_ttft_s < 0:
         raise ValueError(f"prefill_timeout_s: floor_s {floor_s} and predicted_ttft_s {predicted_ttft_s} must be >= 0")
     return max(floor_s, STALL_SLACK * predicted_ttft_s) if floor_s > 0 else math.inf
+
+
+def placement_id(request_id: str, placement: int) -> str:
+    """The id a request's ``placement``-th placement (0: the first; then each retry or
+    migration) goes by on the workers. A distinct id per placement means frames of an earlier,
+    abandoned prefill (a stalled worker that resumes) can never land in a later reservation.
+    '/' never occurs in a request id (``conductor.validation``)."""
+    return request_id if placement == 0 else f"{request_id}/{placement}"
+
+
+def request_of(placement_id: str) -> str:
+    """The request a worker-side id (``placement_id``) belongs to."""
+    return placement_id.split("/", 1)[0]
 
 
 @dataclass(frozen=True)

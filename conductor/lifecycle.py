@@ -55,6 +55,7 @@ from conductor.dispatch import (
     FailureKind,
     PrefillCall,
     PrefillResult,
+    placement_id,
     prefill_timeout_s,
     should_migrate,
     should_retry,
@@ -132,6 +133,8 @@ class RequestLife:
         self._base = 0  # tokens sent before the current placement: its prompt is prompt + tokens[:base]
         self._lost: set[str] = set()  # decode workers lost mid-stream, never used again
         self._num_migrations = 0
+        self._placements = 0  # placements tried so far (each retry and migration is one)
+        self._worker_rid = request_id  # the current placement's id on the workers (placement_id)
         self._cancel_hooks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self.cancelled = False
@@ -183,7 +186,7 @@ class RequestLife:
         while True:
             finish = self._finish_of_sent()
             if finish:  # the prefill's token ended the request: its reservation is never decoded
-                self.dispatcher.release(decision.decode_worker, self.request_id)
+                self.dispatcher.release(decision.decode_worker, self._worker_rid)
                 yield self._terminal(finish)
                 return
             loss = yield from self._forward(decision, first_token)
@@ -281,9 +284,10 @@ class RequestLife:
     def _reserve_and_prefill(self, facts: RequestFacts, params: SamplingParams, decision: RouteDecision,
                              keys: tuple[bytes, ...]) -> PrefillResult:
         d = decision.decode_worker
+        rid = self._worker_rid = placement_id(self.request_id, self._placements)
+        self._placements += 1
         try:
-            address = self.dispatcher.reserve(d, self.request_id, facts.prompt_len, facts.max_tokens,
-                                              self._call_timeout_s())
+            address = self.dispatcher.reserve(d, rid, facts.prompt_len, facts.max_tokens, self._call_timeout_s())
         except DispatchError as e:
             if e.kind is FailureKind.BUSY and not self.cancelled and not self.tokens:
                 raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), 1.0, "decode_full") from e
@@ -293,11 +297,11 @@ class RequestLife:
         def release() -> None:
             if not released.is_set():
                 released.set()
-                self.dispatcher.release(d, self.request_id)
+                self.dispatcher.release(d, rid)
 
         self._on_cancel(release)
         timeout_s = prefill_timeout_s(self.prefill_timeout_s, decision.predicted.ttft_s)
-        call = PrefillCall(self.request_id, facts.prompt_ids, keys, decision.reuse.num_blocks,
+        call = PrefillCall(rid, facts.prompt_ids, keys, decision.reuse.num_blocks,
                            decision.reuse.holder, address, self._call_timeout_s(), timeout_s)
         if not self.tokens:
             self.t.prefill_start = self.clock.now()
@@ -324,7 +328,7 @@ class RequestLife:
         d = decision.decode_worker
         self.core.pending.decode_started(self.request_id, self.clock.now())
         num_prompt = len(self.req.prompt_ids) + self._base
-        chunks = self.dispatcher.decode(d, self.request_id, first, self._params(), num_prompt, self._call_timeout_s(),
+        chunks = self.dispatcher.decode(d, self._worker_rid, first, self._params(), num_prompt, self._call_timeout_s(),
                                         self._on_cancel)
         try:
             for chunk in chunks:

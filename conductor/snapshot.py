@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from conductor.dispatch import request_of
 from conductor.pending import PendingView
 from conductor.routing import ClusterSnapshot, WorkerView
 from kvstore.index import MatchSnapshot, PrefillJobLoad, WorkerLoad, WorkerRole
@@ -41,10 +42,10 @@ def _prefill_jobs(entry: RegistryEntry, pending: PendingView) -> tuple[PrefillJo
     left = pending.left_prefill.get(w, frozenset())
     jobs = [PrefillJobLoad(j.request_id, j.num_new_tokens, j.num_reused_tokens,
                            j.elapsed_s + entry.load_age_s if j.elapsed_s > 0 else 0.0)
-            for j in entry.load.prefill_jobs if j.request_id not in left]
+            for j in entry.load.prefill_jobs if request_of(j.request_id) not in left]
     own = pending.in_prefill.get(w, ())
     if own:
-        listed = {j.request_id for j in entry.load.prefill_jobs}
+        listed = {request_of(j.request_id) for j in entry.load.prefill_jobs}
         jobs += [PrefillJobLoad(r.request_id, r.num_new_tokens, r.num_reused_tokens)
                  for r in own if r.request_id not in listed]
     return tuple(jobs)
@@ -52,7 +53,7 @@ def _prefill_jobs(entry: RegistryEntry, pending: PendingView) -> tuple[PrefillJo
 
 def _decode_view(entry: RegistryEntry, pending: PendingView) -> WorkerView:
     w, load = entry.worker_id, entry.load
-    listed = set(load.request_ids)
+    listed = {request_of(r) for r in load.request_ids}
     own = pending.on_decode.get(w, ())
     own_ids = {r.request_id for r in own}
     free, queued, running, context = load.num_free_pages, load.num_queued, load.num_running, load.num_context_tokens
