@@ -125,6 +125,9 @@ class ConductorConfig:
     prefill_timeout_s: float = field(default=60.0, metadata={
         "help": "a prefill attempt unanswered for max(this, 4x the predicted TTFT) is cancelled as stalled "
                 "and retried on another worker (0: only the request's deadline bounds it)"})
+    decode_stall_timeout_s: float = field(default=30.0, metadata={
+        "help": "a decode stream that sends no token for this long (a hung worker) is cancelled and the request "
+                "migrates (0: only the request's deadline bounds it)"})
     max_decode_migrations: int = field(default=2, metadata={
         "help": "times a request whose decode worker is lost mid-stream moves to another decode worker "
                 "(prefilling prompt + the tokens sent) before it fails"})
@@ -162,8 +165,9 @@ class ConductorConfig:
                              f"< worker_ttl_s ({self.worker_ttl_s})")
         if self.max_prefill_attempts < 1:
             raise ValueError(f"max_prefill_attempts {self.max_prefill_attempts} < 1")
-        if self.prefill_timeout_s < 0 or self.max_decode_migrations < 0:
-            raise ValueError(f"prefill_timeout_s {self.prefill_timeout_s} and max_decode_migrations "
+        if self.prefill_timeout_s < 0 or self.max_decode_migrations < 0 or self.decode_stall_timeout_s < 0:
+            raise ValueError(f"prefill_timeout_s {self.prefill_timeout_s}, decode_stall_timeout_s "
+                             f"{self.decode_stall_timeout_s} and max_decode_migrations "
                              f"{self.max_decode_migrations} must be >= 0")
         if self.max_queue_wait_s < 0:
             raise ValueError(f"max_queue_wait_s {self.max_queue_wait_s} < 0")

@@ -3,14 +3,19 @@
 Maps gRPC status codes onto ``FailureKind`` in one place (``failure_kind``), converts block
 events on the Prefill response to index events, and cancels in-flight calls through the
 lifecycle's cancel hooks. A prefill past its attempt's bound (``PrefillCall.timeout_s``)
-before the request's deadline is ``STALLED``. A plan that pulls a prefix carries the
-Conductor's grant for it.
+before the request's deadline is ``STALLED``; so is a decode stream that sends nothing for
+``decode_stall_s`` (a hung decode worker: ``StallWatch`` cancels it, and the lifecycle
+migrates the request). A plan that pulls a prefix carries the Conductor's grant for it.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Iterator
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -47,9 +52,55 @@ def _error(worker_id: str, e: grpc.RpcError, what: str) -> DispatchError:
     return DispatchError(failure_kind(e.code(), e.details() or ""), worker_id, f"{what} failed: {e.details()}")
 
 
+class StallWatch:
+    """Cancels streams that made no progress for ``limit_s``: one daemon thread checks every
+    watched stream a few times per ``limit_s``; ``touch`` is one clock read. Thread-safe."""
+
+    def __init__(self, limit_s: float, clock: Callable[[], float] = time.monotonic):
+        self.limit_s, self._clock = limit_s, clock
+        self._streams: dict[int, list] = {}  # id -> [last progress, cancel, stalled flag]
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, cancel: Callable[[], object]) -> int:
+        with self._lock:
+            key = next(self._ids)
+            self._streams[key] = [self._clock(), cancel, False]
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="stall-watch", daemon=True)
+                self._thread.start()
+            return key
+
+    def touch(self, key: int) -> None:
+        self._streams[key][0] = self._clock()
+
+    def done(self, key: int) -> bool:
+        """Stops watching; True when the stream was cancelled as stalled."""
+        with self._lock:
+            return self._streams.pop(key)[2]
+
+    def check(self) -> None:
+        now = self._clock()
+        with self._lock:
+            stalled = [s for s in self._streams.values() if not s[2] and now - s[0] > self.limit_s]
+            for s in stalled:
+                s[2] = True
+        for s in stalled:
+            s[1]()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.limit_s / 4))
+            self.check()
+
+
 class GrpcDispatcher:
-    def __init__(self, cluster: Cluster):
+    """``decode_stall_s``: a decode stream silent this long is cancelled as STALLED (inf: never)."""
+
+    def __init__(self, cluster: Cluster, decode_stall_s: float = math.inf):
         self.cluster = cluster
+        self._stalls = StallWatch(decode_stall_s) if math.isfinite(decode_stall_s) else None
 
     def reserve(self, decode_worker: str, request_id: str, num_prompt_tokens: int, max_tokens: int,
                 deadline_s: float) -> str:
@@ -104,11 +155,22 @@ class GrpcDispatcher:
                                                sampling=sampling_to_proto(sampling),
                                                prompt_tokens=num_prompt_tokens), timeout=deadline_s)
         on_cancel(stream.cancel)
+        watch = self._stalls.watch(stream.cancel) if self._stalls is not None else None
         try:
             for msg in stream:
+                if watch is not None:
+                    self._stalls.touch(watch)
                 yield DecodeChunk(tuple(msg.token_ids), FINISH_NAMES.get(msg.finish_reason, ""))
         except grpc.RpcError as e:
+            if watch is not None and self._stalls.done(watch):
+                watch = None
+                raise DispatchError(FailureKind.STALLED, decode_worker,
+                                    f"decode stream sent nothing for {self._stalls.limit_s:g} s (the worker hangs); "
+                                    f"cancelled") from e
             raise _error(decode_worker, e, "decode") from e
+        finally:
+            if watch is not None:
+                self._stalls.done(watch)
 
     def release(self, decode_worker: str, request_id: str) -> None:
         try:

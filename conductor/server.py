@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import threading
 import uuid
 
@@ -251,8 +252,8 @@ class Conductor(ServiceBase):
         core = build_core(config, cluster, costs, self._clock)
         metrics = ConductorMetrics.for_config(config)
         admission = Admission(config.admission)
-        inference = InferenceService(config, core, GrpcDispatcher(cluster), admission, RequestRecords(metrics=metrics),
-                                     api_keys)
+        dispatcher = GrpcDispatcher(cluster, config.decode_stall_timeout_s or math.inf)
+        inference = InferenceService(config, core, dispatcher, admission, RequestRecords(metrics=metrics), api_keys)
         metrics.watch(cluster, admission)
         registry = RegistryService(cluster, config.heartbeat_interval_s)
         self._running = start_server(

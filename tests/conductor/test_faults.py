@@ -88,6 +88,7 @@ class ScriptedDispatcher:
         self.prefills: list[tuple[str, PrefillCall]] = []
         self.on_prefill = None  # called before each prefill, with its number (0: the first)
         self.reserved: dict[tuple[str, str], tuple[int, int]] = {}  # (worker, id) -> (prompt, max tokens)
+        self.reserved_ever: list[tuple[str, str]] = []
         self._context: dict[str, list[int]] = {}
 
     def reserve(self, decode_worker: str, request_id: str, num_prompt_tokens: int, max_tokens: int,
@@ -95,6 +96,7 @@ class ScriptedDispatcher:
         if decode_worker in self.dead:
             raise DispatchError(FailureKind.UNAVAILABLE, decode_worker, "connection refused")
         self.reserved[(decode_worker, request_id)] = (num_prompt_tokens, max_tokens)
+        self.reserved_ever.append((decode_worker, request_id))
         return f"tcp://{decode_worker}"
 
     def prefill(self, prefill_worker: str, call: PrefillCall, sampling: SamplingParams, on_cancel) -> PrefillResult:
@@ -180,7 +182,7 @@ PROMPT = [(i * 13) % 200 + 1 for i in range(40)]
 
 @pytest.mark.parametrize("kind", list(FailureKind))
 def test_only_a_stream_the_worker_broke_is_migrated_while_migrations_remain(kind: FailureKind) -> None:
-    migratable = kind in (FailureKind.UNAVAILABLE, FailureKind.TRANSFER, FailureKind.INTERNAL)
+    migratable = kind in (FailureKind.UNAVAILABLE, FailureKind.TRANSFER, FailureKind.INTERNAL, FailureKind.STALLED)
     assert should_migrate(kind, 0, 2, cancelled=False) is migratable
     assert should_migrate(kind, 1, 2, cancelled=False) is migratable
     assert should_migrate(kind, 2, 2, cancelled=False) is False
@@ -281,7 +283,7 @@ def test_a_client_leaving_during_a_migration_cancels_it_and_frees_everything() -
 
     def leave(n: int) -> bool:
         if n == 1:  # the continuation's prefill: its reservation on d1 is held
-            assert ("d1", life.request_id) in h.dispatcher.reserved
+            assert ("d1", f"{life.request_id}/1") in h.dispatcher.reserved  # the second placement's id
             life.cancel()  # runs the cancel hooks: the reservation is released
         return life.cancelled
 
@@ -329,3 +331,32 @@ def test_a_deadline_passing_mid_stream_aborts_with_deadline_exceeded(which: str)
     assert not any(m.finish_reason for m in msgs)
     assert 1 < len(tokens(msgs)) < 100 and tokens(msgs) == reference(PROMPT, len(tokens(msgs)))
     assert len(h.core.pending) == 0
+
+
+def test_each_placement_goes_by_its_own_id_on_the_workers() -> None:
+    """A retry or migration never reuses the id of an abandoned placement, so late frames of
+    an earlier prefill cannot land in the new reservation; snapshots map ids back."""
+    from conductor.dispatch import placement_id, request_of
+
+    assert placement_id("r0", 0) == "r0" and placement_id("r0", 2) == "r0/2"
+    assert request_of("r0/2") == request_of("r0") == "r0"
+    h = Harness(workers=("p0", "d0", "d1"))
+    h.dispatcher.break_after["d0"] = 3
+    life = h.life(PROMPT, 20)
+    h.run(life)
+    assert {rid for _, rid in h.dispatcher.reserved_ever} == {"r0", "r0/1"}
+
+
+def test_the_stall_watch_cancels_only_silent_streams() -> None:
+    from conductor.grpc_dispatch import StallWatch
+
+    now = [0.0]
+    watch = StallWatch(2.0, clock=lambda: now[0])
+    cancelled: list[str] = []
+    quiet, busy = watch.watch(lambda: cancelled.append("quiet")), watch.watch(lambda: cancelled.append("busy"))
+    for _ in range(5):
+        now[0] += 1.0
+        watch.touch(busy)
+        watch.check()
+    assert cancelled == ["quiet"]  # once, although checked again after
+    assert watch.done(quiet) is True and watch.done(busy) is False

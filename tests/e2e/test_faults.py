@@ -187,3 +187,31 @@ def test_a_deadline_passing_mid_stream_ends_the_call_with_deadline_exceeded(long
     assert 0 < len(sent) < 3900 and sent == engine.generate(reference, ids, len(sent))
     stats = wait_all_freed(long_cluster)
     assert all(s.num_live_requests == 0 and s.num_free_pages == s.num_pages_total for s in stats.values())
+
+
+def test_a_hung_decode_worker_is_left_mid_stream(reference):
+    """A decode worker SIGSTOPped under a streaming request sends nothing more: after
+    --decode-stall-timeout-s the Conductor cancels the stream and continues the request on
+    the other decode worker, token-exact, counted as a stalled migration."""
+    tokenizer = engine.load_tokenizer("tiny")
+    with make_cluster(1, 2, policy="round_robin", conductor_args=("--decode-stall-timeout-s", "2")) as cluster:
+        client = Client(cluster.endpoint)
+        stopped = None
+        try:
+            ids = prompt(40, 1500)
+            msgs = []
+            for msg in client.stub.Generate(Client.request(ids, max_tokens=600), timeout=300):
+                msgs.append(msg)
+                if stopped is None and len(_tokens(msgs)) >= KILL_AFTER_TOKENS:
+                    stopped = cluster.procs[msgs[0].decode_worker]
+                    stopped.send_signal(signal.SIGSTOP)
+                    hung = msgs[0].decode_worker
+            assert stopped is not None, "the request ended before it was mid-stream"
+            _check_stream(msgs, engine.generate(reference, ids, 600), pb.FINISH_REASON_LENGTH, len(ids), tokenizer)
+            moved = [m.decode_worker for m in msgs[1:] if m.decode_worker]
+            assert len(moved) == 1 and moved[0] != hung
+            assert _conductor_counter(cluster, "decode_migrations") == {"stalled": 1.0}
+        finally:
+            if stopped is not None:
+                stopped.send_signal(signal.SIGCONT)
+            client.close()
