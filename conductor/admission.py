@@ -1,7 +1,10 @@
 """Bounded admission: at most ``max_running`` requests in the cluster, ``max_queued`` waiting.
 
 A request beyond both bounds is refused at once (the caller answers RESOURCE_EXHAUSTED); a
-queued one waits for a running slot until its deadline. Thread-safe (one condition variable).
+queued one waits for a running slot for at most the timeout its caller gives. The Conductor
+gives the sooner of the request's deadline (``deadline_s``, or the client's gRPC deadline)
+and ``--max-queue-wait-s``, and answers DEADLINE_EXCEEDED when the deadline was the bound,
+RESOURCE_EXHAUSTED when the cap was. Thread-safe (one condition variable).
 """
 
 from __future__ import annotations

@@ -68,8 +68,10 @@ from engine.sampler import SamplingParams
 from engine.tokenizer import Tokenizer
 from proto import inference_pb2 as pb
 from proto.convert import FINISH_CODES
+from runtime.logs import Throttled
 
 log = logging.getLogger(__name__)
+THROTTLED = Throttled(log)  # failures, retries and migrations: each logged once, bounded under floods
 MIN_CALL_TIMEOUT_S = 1e-3  # a worker call's gRPC timeout is what is left of the deadline, at least this
 
 
@@ -241,8 +243,8 @@ class RequestLife:
                     return None
                 # Nothing of this placement reached the client and no partial cache is kept:
                 # route again, away from the workers that failed, and recompute.
-                log.warning("request %s: %s; retrying elsewhere (attempt %d of %d)", self.request_id, e,
-                            attempt + 1, self.max_attempts)
+                THROTTLED.log(logging.WARNING, "retry", "request %s: %s; retrying elsewhere (attempt %d of %d)",
+                              self.request_id, e, attempt + 1, self.max_attempts)
                 self.metrics.retried(e.kind.value)
                 avoid.update((routed.prefill_worker, routed.decode_worker))
                 continue
@@ -369,8 +371,9 @@ class RequestLife:
         placed = yield from self._place(facts, self._params(), loss)
         if placed is not None:
             self.metrics.migrated(loss.failure)
-            log.warning("request %s: %s; continuing on decode worker %s (migration %d of %d)", self.request_id,
-                        loss, placed[0].decode_worker, self._num_migrations, self.max_migrations)
+            THROTTLED.log(logging.WARNING, "migration",
+                          "request %s: %s; continuing on decode worker %s (migration %d of %d)", self.request_id,
+                          loss, placed[0].decode_worker, self._num_migrations, self.max_migrations)
         return placed
 
     def _params(self) -> SamplingParams:
@@ -387,7 +390,7 @@ class RequestLife:
         message = f"request {self.request_id}: {message}"
         if at_routing and not self.tokens:
             return Refused(grpc.StatusCode.DEADLINE_EXCEEDED, message, 0.0, "deadline")
-        log.warning("%s after %d tokens", message, len(self.tokens))
+        THROTTLED.log(logging.WARNING, "deadline", "%s after %d tokens", message, len(self.tokens))
         self.out.report("failed", "deadline")
         return Aborted(grpc.StatusCode.DEADLINE_EXCEEDED, message)
 
@@ -398,5 +401,7 @@ class RequestLife:
 
     def _terminal(self, reason: int, error: str = "", failure: str = "") -> pb.GenerateResponse:
         if error:
-            log.warning("request %s: %s", self.request_id, error)
+            THROTTLED.log(logging.WARNING, f"ended:{reason}", "request %s ended %s after %d tokens: %s",
+                          self.request_id, pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_"),
+                          len(self.tokens), error)
         return self.out.terminal(reason, error, failure)

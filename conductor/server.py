@@ -49,11 +49,13 @@ from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
 from runtime.auth import CONDUCTOR, AuthError, Member, Need, current_principal, refuse, worker_principal
 from runtime.grpc_server import follow_readiness, start_server
+from runtime.logs import Throttled
 from runtime.metrics import start_metrics
 from runtime.service import ServiceBase, serve_until_signal
 from runtime.settings import parse_config
 
 log = logging.getLogger(__name__)
+REFUSALS = Throttled(log)  # each refused request logged once, bounded under floods
 
 
 def load_costs(config: ConductorConfig) -> CostModels:
@@ -145,6 +147,8 @@ class InferenceService:
             valid = validate(request, self.cfg, self.tokenizer, self.limits)
         except ValueError as e:
             self.records.count("invalid")
+            REFUSALS.log(logging.INFO, "invalid", "request %s from %s refused: INVALID_ARGUMENT: %s",
+                         request.request_id or "(no id)", context.peer(), e)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if key is not None:  # the tenant, and so the cache salt, comes from the credential
             try:
@@ -152,11 +156,19 @@ class InferenceService:
             except AuthError as e:
                 self.records.count("permission_denied")
                 refuse(context, e, f"Generate as tenant {request.tenant!r}")
-        refusal = self.admission.try_enter(timeout_s=min(valid.deadline_s, self.config.max_queue_wait_s))
+        client_left_s = context.time_remaining()
+        deadline_s = min(valid.deadline_s, client_left_s if client_left_s is not None else math.inf)
+        refusal = self.admission.try_enter(timeout_s=min(deadline_s, self.config.max_queue_wait_s))
         if refusal is not None:
-            self.records.count("rejected", reason="queue_full", tenant=valid.tenant)
-            context.set_trailing_metadata((("retry-after-s", "1"),))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+            # The wait ends at the deadline or at --max-queue-wait-s, whichever is sooner.
+            late = deadline_s <= self.config.max_queue_wait_s and "waited" in refusal
+            reason = "deadline" if late else "queue_full"
+            self.records.count("rejected", reason=reason, tenant=valid.tenant)
+            REFUSALS.log(logging.INFO, f"rejected:{reason}", "request %s rejected (%s): %s",
+                         request.request_id or "(no id)", reason, refusal)
+            context.set_trailing_metadata((("retry-after-s", "1"), ("reject-reason", reason)))
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          refusal + (" before the request's deadline" if late else ""))
         life = RequestLife(self.core, self.dispatcher, self.tokenizer, valid, request.request_id or uuid.uuid4().hex,
                            next(self._seq), self.config.max_prefill_attempts, self.records,
                            max_migrations=self.config.max_decode_migrations,
@@ -169,7 +181,8 @@ class InferenceService:
                 yield msg
         except Refused as e:
             self.records.count("rejected", reason=e.reason, tenant=valid.tenant)
-            log.info("request %s rejected (%s): %s", life.request_id, e.reason, e)
+            REFUSALS.log(logging.INFO, f"rejected:{e.reason}", "request %s rejected (%s): %s", life.request_id,
+                         e.reason, e)
             context.set_trailing_metadata((("retry-after-s", f"{e.retry_after_s:g}"), ("reject-reason", e.reason)))
             context.abort(e.code, str(e))
         except Aborted as e:  # DEADLINE_EXCEEDED after work began; the lifecycle reported the outcome

@@ -50,8 +50,10 @@ from pathlib import Path
 import grpc
 
 from runtime.grpc_server import TlsFiles, channel
+from runtime.logs import Throttled
 
 log = logging.getLogger(__name__)
+_REFUSALS = Throttled(log)
 
 PRINCIPAL_HEADER = "x-tidekv-principal"
 AUTH_HEADER = "x-tidekv-auth"
@@ -218,8 +220,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
 
 
 def refuse(context: grpc.ServicerContext, error: AuthError, what: str) -> None:
-    """Logs a refused call with its peer and ends it with the error's status."""
-    log.warning("refused %s from %s: %s", what, context.peer(), error)
+    """Logs a refused call with its peer (bounded under a flood) and ends it with the error's status."""
+    _REFUSALS.log(logging.WARNING, f"refused:{error.code.name}", "refused %s from %s: %s", what, context.peer(), error)
     context.abort(error.code, str(error))
 
 
