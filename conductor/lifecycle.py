@@ -319,7 +319,7 @@ class RequestLife:
         now = self.clock.now()
         self.core.pending.prefill_done(self.request_id, now)
         self.core.cluster.apply_events(result.events)
-        self.core.speed.observe(decision.prefill_worker, decision.predicted.prefill_s, result.prefill_s)
+        self.core.speed.observe(decision.prefill_worker, decision.predicted.model_prefill_s, result.prefill_s)
         if self.records is not None:
             self.records.prediction(decision.predicted.ttft_s, now - self.t.routed)
 

@@ -199,7 +199,8 @@ def make_mooncake(context: PolicyContext) -> Policy:
                 f"predicted TBT {tbt * 1e3:.1f}ms misses the {request.tbt_slo_s * 1e3:g}ms SLO on every decode "
                 f"worker (best {decode.worker_id}: {decode.num_running} running)",
                 _retry_hint_s(decode, costs, snapshot.time_s), RejectKind.TBT_SLO)
-        predicted = Prediction(option.ttft_s, option.queue_s, option.prefill_s, option.transfer_s, tbt)
+        predicted = Prediction(option.ttft_s, option.queue_s, option.prefill_s, option.transfer_s, tbt,
+                               slowdown=option.worker.slowdown)
         return RouteDecision(option.worker.worker_id, decode.worker_id, option.reuse, option.branch, predicted)
 
     return mooncake

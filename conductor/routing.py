@@ -199,6 +199,12 @@ class Prediction:
     prefill_s: float = 0.0
     transfer_s: float = 0.0
     tbt_s: float = 0.0  # decode step time on the chosen decode worker after this request joins
+    slowdown: float = 1.0  # the prefill worker's speed factor the times above were scaled by
+
+    @property
+    def model_prefill_s(self) -> float:
+        """The calibrated cost model's prefill time, before the worker's speed factor."""
+        return self.prefill_s / self.slowdown if self.slowdown > 0 else self.prefill_s
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,19 @@
 The cost models are calibrated on an idle machine; a live worker shares cores with its
 neighbours (on one host, the decode worker and the Conductor), so its prefills take longer
 than predicted, and by how much changes with the load. After every prefill the Conductor
-feeds the worker's measured time and the decision's predicted time (already scaled by the
-factor in force) here, and the factor moves toward the one that would have been exact:
-``factor *= 1 + weight * (observed / predicted - 1)``, clamped. The snapshot hands it to the
-policy, which scales that worker's predicted queue and prefill times by it. A worker not
-seen yet has factor 1. Thread-safe.
+feeds the worker's measured time and the *calibrated* prediction (before any factor: the
+decision's ``Prediction.model_prefill_s``) here. The factor is the ratio of exponentially
+decayed sums, ``sum(observed) / sum(calibrated)`` with decay ``1 - weight`` per prefill,
+starting from ``PRIOR_S`` seconds of each (factor 1). So
+
+- requests decided under the same factor and finishing together do not compound it (each
+  sample is against the calibration, not against the factor in force when it was routed);
+- a prefill weighs in proportion to its length: a tiny one whose fixed cost makes it 7x its
+  prediction moves the factor by milliseconds' worth, not by 7x.
+
+Clamped to [MIN_FACTOR, MAX_FACTOR]. The snapshot hands it to the policy, which scales that
+worker's predicted queue and prefill times by it. A worker not seen yet has factor 1.
+Thread-safe.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import threading
 from collections.abc import Mapping
 
 MIN_FACTOR, MAX_FACTOR = 0.25, 8.0
+PRIOR_S = 0.5  # seconds of observed and calibrated time a new worker starts with (factor 1)
 
 
 class WorkerSpeed:
@@ -23,18 +32,19 @@ class WorkerSpeed:
         if not 0 < weight <= 1:
             raise ValueError(f"weight {weight} must be in (0, 1]")
         self.weight = weight
-        self._factors: dict[str, float] = {}
+        self._sums: dict[str, tuple[float, float]] = {}  # worker -> (observed, calibrated), decayed
         self._lock = threading.Lock()
 
-    def observe(self, worker_id: str, predicted_s: float, observed_s: float) -> None:
-        """One prefill on ``worker_id``: predicted vs measured seconds (ignored when either is 0)."""
-        if predicted_s <= 0 or observed_s <= 0:
+    def observe(self, worker_id: str, calibrated_s: float, observed_s: float) -> None:
+        """One prefill on ``worker_id``: the calibrated prediction vs the measured seconds
+        (ignored when either is 0)."""
+        if calibrated_s <= 0 or observed_s <= 0:
             return
+        keep = 1.0 - self.weight
         with self._lock:
-            old = self._factors.get(worker_id, 1.0)
-            new = old * (1.0 + self.weight * (observed_s / predicted_s - 1.0))
-            self._factors[worker_id] = min(MAX_FACTOR, max(MIN_FACTOR, new))
+            obs, cal = self._sums.get(worker_id, (PRIOR_S, PRIOR_S))
+            self._sums[worker_id] = (keep * obs + observed_s, keep * cal + calibrated_s)
 
     def factors(self) -> Mapping[str, float]:
         with self._lock:
-            return dict(self._factors)
+            return {w: min(MAX_FACTOR, max(MIN_FACTOR, obs / cal)) for w, (obs, cal) in self._sums.items()}

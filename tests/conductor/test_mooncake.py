@@ -194,10 +194,15 @@ def test_a_worker_that_runs_slower_than_calibrated_predicts_longer() -> None:
     decision = policy()(snap([slow, fast]), request())
     assert decision.prefill_worker == "fast" and decision.predicted.ttft_s == pytest.approx(0.5 + 1.001)
 
+    assert decision.predicted.slowdown == 1.0 and decision.predicted.model_prefill_s == decision.predicted.prefill_s
+
     speed = WorkerSpeed(weight=0.5)
-    speed.observe("w", predicted_s=1.0, observed_s=3.0)  # 1 * (1 + 0.5 * 2) = 2
-    assert speed.factors() == {"w": pytest.approx(2.0)}
-    speed.observe("w", predicted_s=2.0, observed_s=2.0)  # the scaled prediction was exact: unchanged
-    assert speed.factors() == {"w": pytest.approx(2.0)}
-    speed.observe("w", predicted_s=2.0, observed_s=100.0)
+    speed.observe("w", calibrated_s=1.0, observed_s=3.0)  # (0.25 + 3) / (0.25 + 1)
+    assert speed.factors() == {"w": pytest.approx(3.25 / 1.25)}
+    for _ in range(3):  # three prefills decided under the same factor: averaged, never compounded
+        speed.observe("w", calibrated_s=1.0, observed_s=3.0)
+    assert 2.6 < speed.factors()["w"] < 3.0
+    speed.observe("w", calibrated_s=0.001, observed_s=0.05)  # a tiny prefill 50x its prediction
+    assert speed.factors()["w"] < 3.05  # moves it by its milliseconds, not by 50x
+    speed.observe("w", calibrated_s=1.0, observed_s=1000.0)
     assert speed.factors()["w"] == 8.0  # clamped
