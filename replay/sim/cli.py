@@ -17,6 +17,7 @@ from pathlib import Path
 
 from conductor.config import ADMISSION_MODES, ConductorConfig
 from costmodel import CostModels
+from costmodel.overheads import ClusterOverheads
 from decode_worker.config import DecodeConfig
 from prefill_worker.config import PrefillConfig
 from replay.cli import add_trace_args, summary_text, transform_from_args
@@ -35,6 +36,8 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-pull", action="store_true", help="local reuse only (no pulls between prefill workers)")
     p.add_argument("--calibration", default="", help="cost models from `tidekv calibrate` "
                                                      "(default: the built-in estimate for tiny on CPU)")
+    p.add_argument("--overheads", default="", help="what the live cluster adds to the calibrated engine "
+                                                   "(`python -m replay.sim.fit` on a live replay; default none)")
     p.add_argument("--dram-bytes", type=int, default=PrefillConfig.dram_bytes, help="DRAM tier per prefill worker")
     p.add_argument("--ssd-bytes", type=int, default=PrefillConfig.ssd_bytes, help="SSD tier per prefill worker")
     p.add_argument("--eviction", default="lru")
@@ -71,7 +74,8 @@ def sim_config(args: argparse.Namespace, **override) -> SimConfig:
     prefill = PrefillConfig(dram_bytes=v["dram_bytes"], ssd_bytes=v["ssd_bytes"], eviction=v["eviction"],
                             snapshot_interval_blocks=v["snapshot_interval_blocks"])
     decode = DecodeConfig(num_pages=v["decode_pages"], num_slots=v["decode_slots"], max_batch=v["max_batch"])
-    return SimConfig(int(v["prefill"]), int(v["decode"]), conductor, prefill, decode)
+    overheads = ClusterOverheads.load(v["overheads"]) if v.get("overheads") else ClusterOverheads()
+    return SimConfig(int(v["prefill"]), int(v["decode"]), conductor, prefill, decode, overheads=overheads)
 
 
 def parse_sweep(items: list[str]) -> dict[str, list[str]]:

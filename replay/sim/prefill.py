@@ -5,8 +5,11 @@ eviction policy, demotion and promotion) whose every change is published to the 
 A job's reuse follows the live runner (``prefill_worker.runner``): at its start it takes the
 planned leading blocks from the holder (a pull, kept here: a replica) or from its own store,
 stops at the first missing one, and cuts back to the deepest block with a KDA snapshot. It
-then takes ``pull_s`` (when it pulled) plus ``prefill_s(new, reused)`` and stores every new
-full block, with snapshots at the snapshot points.
+then takes ``pull_s`` (when it pulled) plus ``prefill_s(new, reused)`` of the live worker
+(``ClusterOverheads.live_prefill``: the calibration's by default) and stores every new full
+block, with snapshots at the snapshot points. That whole time is the job's ``worker_s``, what
+a live worker reports in its Prefill response. ``on_start(job)`` is called once the job's
+reuse is known, when a live worker pushes the reused rows to the decode worker.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from costmodel import CostModels
+from costmodel.overheads import NO_OVERHEADS, ClusterOverheads
 from kvstore.blocks import BlockKey, Tier
 from kvstore.hitrule import SnapshotPolicy
 from kvstore.index import BlockEvent, GlobalIndex, PrefillJobLoad, WorkerLoad
@@ -36,6 +40,7 @@ class SimPrefillJob:
     started_s: float | None = None
     num_reused_tokens: int = 0  # actual, once started
     pulled: bool = False
+    worker_s: float = 0.0  # the worker's time for it (pull + prefill), once started
 
     @property
     def planned_reused_tokens(self) -> int:
@@ -45,9 +50,11 @@ class SimPrefillJob:
 class SimPrefill:
     def __init__(self, worker_id: str, config: PrefillConfig, costs: CostModels, index: GlobalIndex,
                  loop: EventLoop, peers: dict[str, SimPrefill], on_done: Callable[[SimPrefillJob], None],
-                 backend: str = "tcp"):
+                 backend: str = "tcp", overheads: ClusterOverheads = NO_OVERHEADS,
+                 on_start: Callable[[SimPrefillJob], None] = lambda job: None):
         self.worker_id, self.config, self.costs, self.index, self.loop = worker_id, config, costs, index, loop
-        self.peers, self.on_done, self.backend = peers, on_done, backend
+        self.peers, self.on_done, self.on_start, self.backend = peers, on_done, on_start, backend
+        self.live_costs = overheads.live_prefill(costs)  # the worker's own time; costs stays for pulls and sizes
         self.block_size = config.block_size
         self.snapshots = SnapshotPolicy(config.snapshot_interval_blocks)
         tiers = {Tier.DRAM: SizedTier(Tier.DRAM, config.dram_bytes), Tier.SSD: SizedTier(Tier.SSD, config.ssd_bytes)}
@@ -102,9 +109,10 @@ class SimPrefill:
         job.started_s = self.loop.now
         pull_s = self._reuse(job)
         n, reused = job.num_prompt_tokens, job.num_reused_tokens
-        duration = pull_s + self.costs.prefill_s(n - reused, reused)
-        self.num_busy_s += duration
-        self.loop.at(self.loop.now + duration, self._finish, job)
+        job.worker_s = pull_s + self.live_costs.prefill_s(n - reused, reused)
+        self.num_busy_s += job.worker_s
+        self.on_start(job)
+        self.loop.at(self.loop.now + job.worker_s, self._finish, job)
 
     # ---- reuse, compute, store ----------------------------------------------------------------
     def _reuse(self, job: SimPrefillJob) -> float:

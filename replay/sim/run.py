@@ -4,20 +4,27 @@ prefill (queued on the chosen worker, pulling the planned prefix), first token, 
 continuous batch, end. Each request ends in exactly one ``RequestRecord``.
 
 ``simulate(scaled, config, costs)`` is the entry point; ``SimConfig`` holds the cluster's
-shape and every component's config (the same frozen configs the live processes parse).
+shape and every component's config (the same frozen configs the live processes parse), and
+the live cluster's ``ClusterOverheads`` (none by default). The policies predict from
+``costs`` alone, as the live Conductor does; the modelled workers take the overheads too, and
+each prefill's worker time goes back to the core's ``WorkerSpeed`` exactly as a live Prefill
+response does, so the Conductor's speed factors (and what they do to admission) follow.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from conductor.config import ConductorConfig
 from conductor.core import ConductorCore, RequestFacts
 from conductor.routing import PolicyContext, Rejection, RouteDecision, make_policy
 from costmodel import CostModels
+from costmodel.overheads import ClusterOverheads
 from decode_worker.config import DecodeConfig
 from kvstore.blocks import chain_keys
 from prefill_worker.config import PrefillConfig
@@ -39,6 +46,8 @@ class SimConfig:
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     load_sample_interval_s: float = 1.0  # how often the load series (stats["load"]) is sampled
+    overheads: ClusterOverheads = field(default_factory=ClusterOverheads)  # what the live cluster adds
+    seed: int = 0  # of the delivery delays (used only when overheads has them)
 
     def __post_init__(self) -> None:
         if self.load_sample_interval_s <= 0:
@@ -52,7 +61,8 @@ class SimConfig:
                 "admission_mode": self.conductor.admission_mode, "dram_bytes": self.prefill.dram_bytes,
                 "ssd_bytes": self.prefill.ssd_bytes, "eviction": self.prefill.eviction,
                 "decode_pages": self.decode.num_pages, "max_batch": self.decode.max_batch,
-                "snapshot_interval_blocks": self.prefill.snapshot_interval_blocks}
+                "snapshot_interval_blocks": self.prefill.snapshot_interval_blocks,
+                "overheads": self.overheads.source, "seed": self.seed}
 
 
 @dataclass
@@ -91,12 +101,15 @@ class Simulation:
         peers: dict[str, SimPrefill] = {}
         for i in range(self.config.num_prefill):
             w = SimPrefill(f"prefill-{i}", self.config.prefill, costs, self.cluster.index, self.loop, peers,
-                           self._prefill_done, self.config.prefill.transfer_backend)
+                           self._prefill_done, self.config.prefill.transfer_backend, self.config.overheads,
+                           self._prefill_started)
             peers[w.worker_id] = w
             self.cluster.add(w)
         for i in range(self.config.num_decode):
             self.cluster.add(SimDecode(f"decode-{i}", self.config.decode, costs, self.loop, self._decode_done,
-                                       self._decode_progress))
+                                       self._decode_progress, self.config.overheads, self.config.seed))
+        self._draw_joins = len(self.config.overheads.decode_join_quantiles_s) > 1  # else none or a constant
+        self._rng = random.Random(f"{self.config.seed}/joins")  # drawn in event order: deterministic
         self.lives: dict[str, _Life] = {}
         self.records: list[RequestRecord] = []
         self.num_running = 0
@@ -162,21 +175,40 @@ class Simulation:
         prefill = self.cluster.prefill[decision.prefill_worker]
         self.cluster.wake(decode)
         self.cluster.wake(prefill)
-        prefill.submit(SimPrefillJob(
-            r.request_id, r.prompt_len, self.block_size, life.keys, decision.reuse.num_blocks, decision.reuse.holder))
+        job = SimPrefillJob(r.request_id, r.prompt_len, self.block_size, life.keys, decision.reuse.num_blocks,
+                            decision.reuse.holder)
+        self._after(self.config.overheads.dispatch_s, prefill.submit, job)
+
+    def _after(self, delay_s: float, fn: Callable[..., None], *args) -> None:
+        """``fn(*args)`` in ``delay_s`` (an overhead), or now, in the same event, when it is 0."""
+        if delay_s > 0:
+            self.loop.at(self.loop.now + delay_s, fn, *args)
+        else:
+            fn(*args)
+
+    def _prefill_started(self, job: SimPrefillJob) -> None:
+        """The worker pushes the reused rows to the decode worker, whose loop pauses to take them."""
+        per_token_s = self.config.overheads.decode_stall_s_per_reused_token
+        if per_token_s and job.num_reused_tokens:
+            decode = self.cluster.decode[self.lives[job.request_id].decision.decode_worker]
+            decode.stall(per_token_s * job.num_reused_tokens)
 
     def _prefill_done(self, job: SimPrefillJob) -> None:
         life = self.lives[job.request_id]
+        d = life.decision
         life.first_s, life.cached_tokens = self.loop.now, job.num_reused_tokens
         self.core.pending.prefill_done(job.request_id, self.loop.now)
+        self.core.speed.observe(d.prefill_worker, d.predicted.model_prefill_s, job.worker_s)  # as conductor.lifecycle
         r = life.req
-        decode = self.cluster.decode[life.decision.decode_worker]
+        decode = self.cluster.decode[d.decode_worker]
         if r.max_tokens <= 1:
             decode.release(r.request_id)
             self._finish(life)
             return
         self.core.pending.decode_started(r.request_id, self.loop.now)
-        decode.join(SimDecodeRequest(r.request_id, r.prompt_len, r.max_tokens))
+        join_s = self.config.overheads.decode_join_s(self._rng.random() if self._draw_joins else 0.0)
+        self._after(join_s, decode.join,
+                    SimDecodeRequest(r.request_id, r.prompt_len, r.max_tokens))
 
     def _decode_progress(self, request: SimDecodeRequest) -> None:
         self.core.pending.generated(request.request_id, request.num_generated)
@@ -206,8 +238,9 @@ class Simulation:
         ttft = life.first_s - r.arrival_s
         times = (ttft, *(t - r.arrival_s for t in life.token_times_s))
         self.records.append(self._base(
-            life, FINISHED, finish_reason="length", ttft_s=ttft, latency_s=now - r.arrival_s,
-            queue_s=life.routed_s - r.arrival_s, token_times_s=times, prompt_tokens=r.prompt_len,
+            life, FINISHED, finish_reason="length", ttft_s=ttft, latency_s=max(now - r.arrival_s, times[-1]),
+            queue_s=life.routed_s + self.config.overheads.dispatch_s - r.arrival_s, token_times_s=times,
+            prompt_tokens=r.prompt_len,
             cached_tokens=life.cached_tokens, prefill_worker=d.prefill_worker, decode_worker=d.decode_worker,
             route_branch=d.branch.value, pulled_from=d.reuse.holder or "",
             predicted_ttft_s=d.predicted.ttft_s or None, predicted_tbt_s=d.predicted.tbt_s or None))

@@ -1,0 +1,163 @@
+"""The live cluster's overheads in the simulator (``costmodel.overheads``, ``replay.sim``) and
+their fit from per-request records (``replay.sim.fit``): exact effects on tiny runs with
+analytic cost models, the Conductor's speed feedback, and the fit recovering the overheads a
+simulated run was made with. No timing: every figure is the simulator's own arithmetic."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conductor.config import ConductorConfig
+from conductor.speed import PRIOR_S
+from costmodel import CostModels
+from costmodel.overheads import NO_OVERHEADS, ClusterOverheads
+from decode_worker.config import DecodeConfig
+from prefill_worker.config import PrefillConfig
+from replay.records import RequestRecord
+from replay.sim.fit import fit_overheads, prefill_observations
+from replay.sim.run import SimConfig, Simulation, simulate
+from replay.transform import ReplayRequest, ScaledTrace, TraceTransform
+
+BLOCK = 16
+COSTS = CostModels.analytic(prefill_s_per_token=1e-3, decode_base_s=0.01, decode_s_per_request=1e-3,
+                            kv_bytes_per_token=1280, snapshot_bytes=300_000)
+OPEN = ConductorConfig(max_running=10**6, max_queued=10**6, ttft_slo_s=1e9, tbt_slo_s=1e9)
+ONE_BY_ONE = SimConfig(1, 1, OPEN, PrefillConfig(snapshot_interval_blocks=1), DecodeConfig())
+
+
+def trace(*requests: tuple[float, int, int, tuple[int, ...]]) -> ScaledTrace:
+    """(arrival s, prompt tokens, max tokens, hash ids) -> a scaled trace of 16-token blocks."""
+    reqs = tuple(ReplayRequest(f"t{i}", i, arrival, prompt, max_tokens, hash_ids=ids, tokens_per_block=BLOCK)
+                 for i, (arrival, prompt, max_tokens, ids) in enumerate(requests))
+    return ScaledTrace(TraceTransform(trace_block_tokens=BLOCK, block_size=BLOCK), reqs, "test", "mooncake",
+                       len(reqs), 0.0, 0, 0)
+
+
+def ids(n: int, start: int = 0) -> tuple[int, ...]:
+    return tuple(range(start, start + n))
+
+
+def run(scaled: ScaledTrace, overheads: ClusterOverheads = NO_OVERHEADS, **kw) -> tuple[RequestRecord, ...]:
+    return simulate(scaled, dataclasses.replace(ONE_BY_ONE, overheads=overheads, **kw), COSTS).records
+
+
+def test_overheads_validate_interpolate_and_round_trip(tmp_path) -> None:
+    o = ClusterOverheads(dispatch_s=0.002, prefill_coefficients=(0.01, 2e-3, 0.0, 0.0, 1e-5),
+                         delivery_delay_quantiles_s=(0.0, 0.002, 0.004, 0.010), source="hand-set")
+    # quantile i sits at probability (i + 0.5) / 4: 0.125, 0.375, 0.625, 0.875
+    assert o.delivery_delay_s(0.0) == 0.0 and o.delivery_delay_s(0.99) == 0.010
+    assert o.delivery_delay_s(0.375) == pytest.approx(0.002)
+    assert o.delivery_delay_s(0.5) == pytest.approx(0.003)
+    assert o.live_prefill(COSTS).prefill_s(100, 1000) == pytest.approx(0.01 + 0.2 + 0.01)
+    assert ClusterOverheads().live_prefill(COSTS) is COSTS
+    o.save(tmp_path / "o.json")
+    assert ClusterOverheads.load(tmp_path / "o.json") == o
+    with pytest.raises(ValueError, match="non-decreasing"):
+        ClusterOverheads(delivery_delay_quantiles_s=(0.002, 0.001))
+    with pytest.raises(ValueError, match="prefill_coefficients"):
+        ClusterOverheads(prefill_coefficients=(1.0, 2.0))
+    with pytest.raises(ValueError, match="decode_step_scale"):
+        ClusterOverheads(decode_step_scale=0.0)
+    (tmp_path / "bad.json").write_text('{"format": "tidekv-overheads", "version": 1, "dispatch_s": -1}')
+    with pytest.raises(ValueError, match="bad.json"):
+        ClusterOverheads.load(tmp_path / "bad.json")
+
+
+def test_each_overhead_lands_where_the_live_cluster_pays_it() -> None:
+    # One request alone: 160 prompt tokens (10 blocks), 4 tokens out; a 1-request decode step
+    # is 0.011 s.
+    lone = trace((0.0, 160, 4, ids(10)))
+    (base,) = run(lone)
+    assert base.ttft_s == pytest.approx(0.160)
+    assert base.token_times_s == pytest.approx((0.160, 0.171, 0.182, 0.193))
+    o = ClusterOverheads(dispatch_s=0.003, prefill_coefficients=(0.02, 1.5e-3, 0.0, 0.0, 0.0),
+                         decode_join_quantiles_s=(0.004,), decode_step_scale=2.0)
+    (r,) = run(lone, o)
+    ttft = 0.003 + 0.02 + 1.5e-3 * 160
+    assert r.ttft_s == pytest.approx(ttft) and r.queue_s == pytest.approx(0.003)
+    assert r.token_times_s == pytest.approx((ttft, ttft + 0.004 + 0.022, ttft + 0.004 + 0.044, ttft + 0.004 + 0.066))
+
+
+def test_delivery_delays_keep_the_stream_in_order() -> None:
+    lone = trace((0.0, 160, 12, ids(10)))
+    (base,) = run(lone)
+    (flat,) = run(lone, ClusterOverheads(delivery_delay_quantiles_s=(0.005,) * 4))
+    assert flat.token_times_s[0] == base.token_times_s[0]  # the first token comes from the prefill
+    assert flat.token_times_s[1:] == pytest.approx(tuple(t + 0.005 for t in base.token_times_s[1:]))
+    spread = ClusterOverheads(delivery_delay_quantiles_s=(0.0, 0.0, 0.0, 0.050))
+    (a,) = run(lone, spread, seed=1)
+    (b,) = run(lone, spread, seed=1)
+    assert a.token_times_s == b.token_times_s  # seeded
+    gaps = [y - x for x, y in zip(a.token_times_s, a.token_times_s[1:], strict=False)]
+    assert min(gaps) >= 0 and max(gaps) > 0.02  # some token was held back, none overtook another
+    assert all(t >= m for t, m in zip(a.token_times_s, base.token_times_s, strict=True))
+
+
+def test_pushing_reused_rows_stalls_the_decode_loop_once() -> None:
+    # t0 decodes 30 tokens from 0.160 s in 11 ms steps; t1 arrives at 0.2 s, reuses t0's ten
+    # blocks (160 tokens) and prefills alone: its push stretches the step t0 is in by 16 ms.
+    scaled = trace((0.0, 160, 30, ids(10)), (0.2, 165, 1, (*ids(10), 500)))
+    base, _ = run(scaled)
+    stalled, reusing = run(scaled, ClusterOverheads(decode_stall_s_per_reused_token=1e-4))
+    assert reusing.cached_tokens == 160
+    gaps = [b - a for a, b in zip(stalled.token_times_s, stalled.token_times_s[1:], strict=False)]
+    assert sorted(gaps)[-1] == pytest.approx(0.011 + 0.016)
+    assert sorted(gaps)[-2] == pytest.approx(0.011)
+    assert stalled.token_times_s[-1] - base.token_times_s[-1] == pytest.approx(0.016)
+
+
+def test_the_simulated_conductor_learns_the_worker_speed_as_the_live_one_does() -> None:
+    # Two requests at once: the second is decided while the first runs, with the factor at 1.
+    scaled = trace((0.0, 160, 1, ids(10)), (0.0, 320, 1, ids(20, 100)))
+    o = ClusterOverheads(prefill_coefficients=(0.04, 1e-3, 0.0, 0.0, 0.0))  # 40 ms more than predicted
+    sim = Simulation(scaled, dataclasses.replace(ONE_BY_ONE, overheads=o), COSTS)
+    sim.run()
+    keep = 1 - sim.core.speed.weight
+    obs = cal = PRIOR_S
+    for calibrated, observed in ((0.160, 0.200), (0.320, 0.360)):  # conductor.speed's decayed sums
+        obs, cal = keep * obs + observed, keep * cal + calibrated
+    assert sim.core.speed.factors()["prefill-0"] == pytest.approx(obs / cal)
+    untouched = Simulation(scaled, ONE_BY_ONE, COSTS)
+    untouched.run()
+    assert untouched.core.speed.factors()["prefill-0"] == pytest.approx(1.0)
+
+
+def test_the_fit_recovers_the_overheads_a_simulated_run_was_made_with() -> None:
+    # A queue of prefills (some reusing earlier prefixes) and overlapping decodes.
+    requests = []
+    for i in range(40):
+        shared = ids(6) if i % 3 == 0 else ()
+        own = ids(4 + (i * 7) % 15, start=1000 + 100 * i)
+        requests.append((0.05 * i, 16 * len(shared + own) + 5, 4 + i % 9, shared + own))
+    scaled = trace(*requests)
+    truth = ClusterOverheads(dispatch_s=0.002, prefill_coefficients=(0.015, 1.2e-3, 0.0, 1e-7, 5e-5),
+                             decode_join_quantiles_s=(0.003,), decode_step_scale=1.3,
+                             decode_stall_s_per_reused_token=2e-4)
+    records = run(scaled, truth)
+    observations = prefill_observations(records)
+    assert len(observations) >= 30 and any(reused for _, reused, _ in observations)
+    got = fit_overheads(records, COSTS).overheads
+    assert got.dispatch_s == pytest.approx(truth.dispatch_s)
+    assert got.prefill_coefficients == pytest.approx(truth.prefill_coefficients, rel=1e-6, abs=1e-12)
+    assert got.decode_step_scale == pytest.approx(truth.decode_step_scale, rel=0.02)
+    assert got.decode_stall_s_per_reused_token == pytest.approx(truth.decode_stall_s_per_reused_token, rel=0.1)
+    assert got.decode_join_s(0.5) == pytest.approx(0.003, abs=0.001)  # the median
+    assert max(got.delivery_delay_quantiles_s) < 5e-4  # none were simulated (what is left: the fit's error)
+    with pytest.raises(ValueError, match="back-to-back"):
+        fit_overheads(records[:2], COSTS)
+
+
+def test_the_prefill_fit_survives_responses_that_come_back_out_of_order() -> None:
+    # Back-to-back prefills of 96..400 tokens, t11 of one block; the first token of t10 (400
+    # tokens) comes back just after t11's, as two live responses can: t10's gap then reads 1 ms
+    # and t11's holds both prefills.
+    sizes = [1 if i == 11 else 25 if i == 10 else 6 + (i * 5) % 20 for i in range(30)]
+    scaled = trace(*[(0.001 * i, 16 * n, 1, ids(n, start=100 * i)) for i, n in enumerate(sizes)])
+    truth = ClusterOverheads(prefill_coefficients=(0.03, 1.1e-3, 0.0, 0.0, 0.0))
+    records = list(run(scaled, truth))
+    first = {r.index: r.arrival_s + r.ttft_s for r in records}
+    records[10] = dataclasses.replace(records[10], ttft_s=first[11] + 1e-3 - records[10].arrival_s)
+    got = fit_overheads(records, COSTS).overheads.prefill_coefficients
+    assert got == pytest.approx(truth.prefill_coefficients, rel=0.05, abs=1e-6)
