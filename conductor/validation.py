@@ -18,7 +18,9 @@ class Limits:
     max_new_tokens: int = 4096
     max_deadline_s: float = 3600.0
     default_deadline_s: float = 300.0
-    max_request_id_len: int = 64
+    # UTF-8 bytes: the transfer engine's ids are at most 64 bytes, and a retry or migration
+    # ("/N", conductor.dispatch.placement_id) and a pull ("/pull") lengthen the id on the workers.
+    max_request_id_len: int = 48
     max_tenant_len: int = 128
     max_slo_s: float = 3600.0
     max_prompt_bytes: int = 1 << 20
@@ -35,8 +37,8 @@ class ValidRequest:
 
 
 def validate(req: pb.GenerateRequest, cfg: ModelConfig, tokenizer: Tokenizer, limits: Limits) -> ValidRequest:
-    if len(req.request_id) > limits.max_request_id_len or "/" in req.request_id:
-        raise ValueError(f"request_id must be at most {limits.max_request_id_len} characters without '/'")
+    if len(req.request_id.encode()) > limits.max_request_id_len or "/" in req.request_id:
+        raise ValueError(f"request_id must be at most {limits.max_request_id_len} UTF-8 bytes without '/'")
     if len(req.tenant) > limits.max_tenant_len:
         raise ValueError(f"tenant must be at most {limits.max_tenant_len} characters, got {len(req.tenant)}")
     ids = _prompt_ids(req, cfg, tokenizer, limits)

@@ -379,14 +379,17 @@ def decode(
         n = _numel(shape)
         flat = torch.frombuffer(body, dtype=dtype, count=n, offset=offset) if n else torch.empty(0, dtype=dtype)
         tensors[name] = flat.view(shape)
-    return BlockPayload(
-        model_fingerprint=head.model_fingerprint,
-        mla=tensors["mla"],
-        mla_layer_ids=head.mla_layer_ids,
-        kda_state=tensors.get("kda_state"),
-        kda_conv=tensors.get("kda_conv"),
-        kda_layer_ids=head.kda_layer_ids,
-    )
+    try:
+        return BlockPayload(
+            model_fingerprint=head.model_fingerprint,
+            mla=tensors["mla"],
+            mla_layer_ids=head.mla_layer_ids,
+            kda_state=tensors.get("kda_state"),
+            kda_conv=tensors.get("kda_conv"),
+            kda_layer_ids=head.kda_layer_ids,
+        )
+    except ValueError as e:  # a header whose fields agree with its checksum but not with each other
+        raise PayloadError(f"inconsistent header: {e}") from e
 
 
 def make_random_payload(

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20  # as every Tidekv gRPC channel
 HEALTH_SERVICE = "tidekv.v1.Inference"
-REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # what the Conductor accepts as a request_id
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,48}")  # what the Conductor accepts as a request_id
 T = TypeVar("T")
 
 

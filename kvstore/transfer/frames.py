@@ -261,6 +261,8 @@ def unpack_header(buf: bytes | bytearray | memoryview) -> FrameHeader:
         raise FrameError(f"invalid header field: unknown code {exc}") from exc
     except UnicodeDecodeError as exc:
         raise FrameError(f"invalid header field: {exc}") from exc
+    if any(d < 0 for d in header.shape):
+        raise FrameError(f"{header.describe()}: negative dimension in shape {header.shape}")
     if header.kind in DATA_KINDS:
         expected_bytes = math.prod(header.shape) * header.dtype.itemsize
         if expected_bytes != body_bytes:
