@@ -54,7 +54,8 @@ ENV PATH=/opt/tidekv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/tmp \
-    XDG_CACHE_HOME=/tmp/.cache
+    XDG_CACHE_HOME=/tmp/.cache \
+    MALLOC_ARENA_MAX=2
 WORKDIR /var/lib/tidekv
 USER 10001:10001
 # gRPC: conductor 50051, workers 50061; Prometheus /metrics: 9400. The transfer engine listens on

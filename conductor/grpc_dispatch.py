@@ -162,8 +162,9 @@ class GrpcDispatcher:
                     self._stalls.touch(watch)
                 yield DecodeChunk(tuple(msg.token_ids), FINISH_NAMES.get(msg.finish_reason, ""))
         except grpc.RpcError as e:
-            if watch is not None and self._stalls.done(watch):
-                watch = None
+            stalled = watch is not None and self._stalls.done(watch)
+            watch = None  # done() stopped watching either way
+            if stalled:
                 raise DispatchError(FailureKind.STALLED, decode_worker,
                                     f"decode stream sent nothing for {self._stalls.limit_s:g} s (the worker hangs); "
                                     f"cancelled") from e

@@ -190,7 +190,9 @@ class LocalCluster:
         same way after a crash. Every start appends to its log, after a separator line."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
-        env = {**os.environ, "TIDEKV_TORCH_THREADS": str(self.config.threads_per_process),
+        # MALLOC_ARENA_MAX: glibc gives each of a worker's ~35 threads its own arena, and the
+        # prefill worker's RSS then keeps growing with freed but unreturned memory (bench/soak.py).
+        env = {"MALLOC_ARENA_MAX": "2", **os.environ, "TIDEKV_TORCH_THREADS": str(self.config.threads_per_process),
                "TIDEKV_CLUSTER_SECRET_FILE": str(self.secret_file), **self.config.env}
         cmd = [sys.executable, "-m", "deploy.cli", "serve", "--role", role, *args]
 
