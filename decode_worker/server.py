@@ -10,7 +10,6 @@ Reserve, Decode and Release (``NEEDS``, ``runtime.auth``); any member may read S
 from __future__ import annotations
 
 import logging
-import queue
 import uuid
 
 import grpc
@@ -18,7 +17,7 @@ import grpc
 import engine
 from decode_worker.config import DecodeConfig
 from decode_worker.metrics import DecodeMetrics
-from decode_worker.scheduler import DecodeScheduler, Finished
+from decode_worker.scheduler import DecodeScheduler, take_ready
 from decode_worker.sink import expected_for, sink_for
 from engine.warmup import warm_up
 from kvstore.transfer.base import TransferConfig, TransferError
@@ -79,16 +78,18 @@ class DecodeService(igrpc.DecodeServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         context.add_callback(lambda: self.scheduler.release(rid))
         while True:
-            try:
-                item = out.get(timeout=1.0)
-            except queue.Empty:
+            # Every token queued so far goes in one message (the terminal rides on the last):
+            # one token a message while the Conductor keeps up, a batch once it falls behind.
+            ready = take_ready(out, timeout_s=1.0)
+            if ready is None:
                 if not context.is_active():
                     self.scheduler.release(rid)
                 continue
-            if isinstance(item, Finished):
-                yield ipb.DecodeResponse(finish_reason=FINISH[item.reason])
+            tokens, finished = ready
+            if finished is not None:
+                yield ipb.DecodeResponse(token_ids=tokens, finish_reason=FINISH[finished.reason])
                 return
-            yield ipb.DecodeResponse(token_ids=item)
+            yield ipb.DecodeResponse(token_ids=tokens)
 
     def Release(self, request: ipb.ReleaseRequest, context: grpc.ServicerContext) -> ipb.ReleaseResponse:
         self.receiver.cancel(request.request_id)

@@ -17,8 +17,8 @@ from tests.e2e.helpers import prompt, wait_all_freed
 
 @pytest.fixture(scope="module")
 def one_slot():
-    """One request running at a time; a queued one waits at most 4 s unless its deadline is sooner."""
-    with make_cluster(1, 1, policy="round_robin", conductor_args=("--max-running", "1", "--max-queue-wait-s", "4")) \
+    """One request running at a time; a queued one waits at most 2 s unless its deadline is sooner."""
+    with make_cluster(1, 1, policy="round_robin", conductor_args=("--max-running", "1", "--max-queue-wait-s", "2")) \
             as cluster:
         yield cluster
 
@@ -51,17 +51,18 @@ def test_a_client_leaving_during_prefill_ends_quietly_and_frees_both_workers(one
 
 def test_the_admission_wait_ends_at_the_deadline_or_the_cap(one_slot):
     client = Client(one_slot.endpoint)
-    holder = client.stub.Generate(Client.request(prompt(3000, 902), max_tokens=200), timeout=120)
+    # 1,000 tokens take seconds on any CPU (milliseconds a step): it holds the slot past both waits.
+    holder = client.stub.Generate(Client.request(prompt(3000, 902), max_tokens=1000), timeout=120)
     _prefilling(one_slot)  # the one running slot is taken
     try:
         short = Client.request(prompt(20, 903), max_tokens=2)
-        short.deadline_s = 1.0  # sooner than the 4 s cap
+        short.deadline_s = 0.5  # sooner than the 2 s cap
         with pytest.raises(grpc.RpcError) as e:
             client.generate(short)
-        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "waited 1.0s" in e.value.details()
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "waited 0.5s" in e.value.details()
         with pytest.raises(grpc.RpcError) as e:
             client.generate(Client.request(prompt(20, 904), max_tokens=2))  # the 300 s default deadline
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "waited 4.0s" in e.value.details()
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "waited 2.0s" in e.value.details()
     finally:
         holder.cancel()
         client.close()
