@@ -32,8 +32,8 @@ from conductor.validation import ValidRequest
 from costmodel import CostModels
 from engine.sampler import SamplingParams
 from kvstore.index import WorkerLoad, WorkerRole
-from kvstore.index_memory import MemoryIndex
 from proto import inference_pb2 as pb
+from tests.conductor.test_core import StaticCluster
 
 BS = 16
 TOKEN_S = 0.01  # scripted time per decoded token
@@ -53,24 +53,11 @@ def reference(prompt: list[int], max_tokens: int, stop: tuple[int, ...] = ()) ->
     return out
 
 
-class StaticCluster:
-    model_fingerprint = "fp"
-    block_size = BS
-
-    def __init__(self, worker_ids: tuple[str, ...]):
-        self.entries = tuple(RegistryEntry(w, WorkerRole.PREFILL if w.startswith("p") else WorkerRole.DECODE,
-                                           f"rpc-{w}", f"tcp://{w}", WorkerLoad(num_free_pages=1000))
-                             for w in worker_ids)
-        self.index = MemoryIndex(ttl_s=1e9)
-
-    def registry_view(self, wall_now_s: float) -> tuple[RegistryEntry, ...]:
-        return self.entries
-
-    def match(self, keys):
-        return self.index.match(keys) if keys else None
-
-    def apply_events(self, events) -> None:
-        self.index.apply(events)
+def static_cluster(worker_ids: tuple[str, ...]) -> StaticCluster:
+    """Workers named p* (prefill) and d* (decode), each with room, never changing."""
+    return StaticCluster(tuple(RegistryEntry(w, WorkerRole.PREFILL if w.startswith("p") else WorkerRole.DECODE,
+                                             f"rpc-{w}", f"tcp://{w}", WorkerLoad(num_free_pages=1000))
+                               for w in worker_ids))
 
 
 class ScriptedDispatcher:
@@ -146,7 +133,7 @@ class Harness:
     def __init__(self, workers=("p0", "p1", "d0", "d1"), policy: str = "round_robin", max_migrations: int = 2,
                  prefill_timeout_s: float = 0.0):
         self.clock = ManualClock()
-        self.core = ConductorCore(StaticCluster(workers), make_policy(policy, PolicyContext(costs=COSTS)),
+        self.core = ConductorCore(static_cluster(workers), make_policy(policy, PolicyContext(costs=COSTS)),
                                   SLOTable(SLO(60, 1)), self.clock)
         self.dispatcher = ScriptedDispatcher(self.clock)
         self.tokenizer = engine.load_tokenizer("tiny")
