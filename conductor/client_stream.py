@@ -1,6 +1,8 @@
 """What one request's client and the metrics see of it: the tokens sent, in order, with their
-text deltas; the first and the terminal message (usage and timing); the token intervals and
-the request's one outcome for ``conductor.metrics``.
+text deltas (``engine.detokenizer``: O(delta) per message, a character split across tokens
+held back until it is whole, the rest flushed with the terminal message); the first and the
+terminal message (usage and timing); the token intervals and the request's one outcome for
+``conductor.metrics``.
 
 ``ClientStream`` is written by the request's lifecycle (``conductor.lifecycle``) on one
 thread; it knows nothing of workers or routing beyond the names the first message carries.
@@ -18,6 +20,7 @@ from conductor.dispatch import PrefillResult
 from conductor.metrics import ConductorMetrics
 from conductor.routing import Prediction, RouteDecision
 from conductor.validation import ValidRequest
+from engine.detokenizer import Detokenizer
 from engine.tokenizer import Tokenizer
 from proto import inference_pb2 as pb
 
@@ -45,7 +48,7 @@ class ClientStream:
         self.cached_tier = "unknown"  # where the first prefill's reused prefix came from
         self.predicted = Prediction()  # of the decision that made (or tried to make) the first token
         self._cached = 0  # prompt tokens the first prefill reused
-        self._text = ""  # the text of ``tokens``, as sent
+        self._detok = Detokenizer(tokenizer)
         self._unreported = 0  # token intervals at the end of t.intervals not yet given to the metrics
 
     def first(self, decision: RouteDecision, result: PrefillResult) -> pb.GenerateResponse:
@@ -56,10 +59,10 @@ class ClientStream:
                                  self.t.prefill_start - self.t.arrival, len(self.req.prompt_ids), result.cached_tokens,
                                  self.cached_tier)
         self.tokens.append(result.first_token)
-        self._text = self.tokenizer.decode(self.tokens)
+        text = self._detok.push((result.first_token,))
         usage = pb.Usage(prompt_tokens=len(self.req.prompt_ids), cached_tokens=result.cached_tokens,
                          completion_tokens=1)
-        return pb.GenerateResponse(request_id=self.request_id, token_ids=self.tokens, text=self._text,
+        return pb.GenerateResponse(request_id=self.request_id, token_ids=self.tokens, text=text,
                                    usage=usage, prefill_worker=decision.prefill_worker,
                                    decode_worker=decision.decode_worker, pulled_from=decision.reuse.holder or "",
                                    route_branch=decision.branch.value)
@@ -74,11 +77,8 @@ class ClientStream:
         if self._unreported >= ITL_BATCH_TOKENS:
             self._report_tokens()
         self.tokens.extend(token_ids)
-        text = self.tokenizer.decode(self.tokens)
-        msg = pb.GenerateResponse(request_id=self.request_id, token_ids=token_ids, text=text[len(self._text):],
-                                  decode_worker=decode_worker)
-        self._text = text
-        return msg
+        return pb.GenerateResponse(request_id=self.request_id, token_ids=token_ids, text=self._detok.push(token_ids),
+                                   decode_worker=decode_worker)
 
     def terminal(self, reason: int, error: str = "", failure: str = "") -> pb.GenerateResponse:
         """The terminal message, and the outcome; ``failure`` (a failure kind) labels a FAILED
@@ -98,7 +98,7 @@ class ClientStream:
         usage = pb.Usage(prompt_tokens=len(self.req.prompt_ids), cached_tokens=self._cached,
                          completion_tokens=len(tokens))
         return pb.GenerateResponse(request_id=self.request_id, finish_reason=reason, usage=usage, timing=timing,
-                                   error=error)
+                                   error=error, text=self._detok.flush())
 
     def report(self, outcome: str, failure: str) -> None:
         """The request's one outcome for the metrics; ``within_slo`` as Mooncake's goodput counts
