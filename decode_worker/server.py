@@ -10,7 +10,6 @@ Reserve, Decode and Release (``NEEDS``, ``runtime.auth``); any member may read S
 from __future__ import annotations
 
 import logging
-import uuid
 
 import grpc
 
@@ -19,19 +18,17 @@ from decode_worker.config import DecodeConfig
 from decode_worker.metrics import DecodeMetrics
 from decode_worker.scheduler import DecodeScheduler, take_ready
 from decode_worker.sink import expected_for, sink_for
-from engine.warmup import warm_up
 from kvstore.transfer.base import TransferConfig, TransferError
 from kvstore.transfer.receiver import Receiver
 from proto import inference_pb2 as pb
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
 from proto.convert import sampling_from_proto
-from runtime.auth import Need, WorkerCredential, derive
-from runtime.grpc_server import follow_readiness, start_server
+from runtime.auth import Need
+from runtime.grpc_server import start_server
 from runtime.metrics import Identity, start_metrics
-from runtime.service import ServiceBase, serve_until_signal
+from runtime.service import WorkerServiceBase, serve_until_signal
 from runtime.settings import parse_config, setup_torch
-from runtime.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +98,7 @@ class DecodeService(igrpc.DecodeServicer):
                                num_live_requests=len(load.request_ids))
 
 
-class DecodeWorker(ServiceBase):
+class DecodeWorker(WorkerServiceBase):
     """The decode worker as an embeddable ``runtime.service.Service``: built from its config,
     it installs no signal handler and reads no environment; torch's process-wide settings
     (threads, denormals) are the embedding process's (``runtime.settings.setup_torch``)."""
@@ -109,24 +106,9 @@ class DecodeWorker(ServiceBase):
     role = "decode"
 
     def __init__(self, config: DecodeConfig):
-        config.require_conductor()
-        super().__init__()
-        self.config = config
-        self.worker_id = config.worker_id or f"decode-{uuid.uuid4().hex[:6]}"
-        self.credential = WorkerCredential.new(config.cluster_secret_file, self.worker_id, config.tls)
+        super().__init__(config)
         self._scheduler: DecodeScheduler | None = None
-        self._link: WorkerLink | None = None
-        self._transfer_address = ""
         self._listening = False
-
-    @property
-    def name(self) -> str:
-        return f"{self.role} worker {self.worker_id}"
-
-    @property
-    def transfer_address(self) -> str:
-        """The KV receiver's advertised address ("" before start)."""
-        return self._transfer_address
 
     def _start(self) -> None:
         cfg = self.config
@@ -138,7 +120,7 @@ class DecodeWorker(ServiceBase):
                                                       cfg.max_batch, metrics=DecodeMetrics(ident))
         receiver = Receiver(TransferConfig(deadline_s=cfg.transfer_deadline_s, bind_host=cfg.host,
                                            advertise_host=cfg.advertised_host,
-                                           auth_key=derive(self.credential.member.secret, "transfer")),
+                                           auth_key=self.credential.transfer_key),
                             backends=cfg.transfer_backend)
         self._closing.callback(receiver.close)
         self._listening, self._transfer_address = True, receiver.address
@@ -153,12 +135,7 @@ class DecodeWorker(ServiceBase):
                               rpc_address=self._running.address, transfer_address=receiver.address,
                               model_fingerprint=model.fingerprint, block_size=cfg.block_size,
                               num_pages_total=cfg.num_pages, metrics_address=self.metrics.address)
-        if cfg.warmup:
-            log.info("warmed up in %.2f s", warm_up(model, cfg.block_size))
-        self._link = WorkerLink(cfg.conductor, info, scheduler.load, self.credential)
-        self._link.start()
-        self._closing.callback(self._link.stop)
-        self._closing.callback(follow_readiness(self._running, self.ready))
+        self._register(model, info, scheduler.load)
 
     def ready(self) -> bool:
         return (self._running is not None and self._listening and not self._draining

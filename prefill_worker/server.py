@@ -14,12 +14,10 @@ import logging
 import shutil
 import tempfile
 import threading
-import uuid
 
 import grpc
 
 import engine
-from engine.warmup import warm_up
 from kvstore.metrics import StoreMetrics
 from kvstore.store import StoreConfig, StoreEvent, TieredStore
 from kvstore.transfer.base import FaultInjection, TransferConfig, TransferError
@@ -30,12 +28,11 @@ from prefill_worker.transfers import TransferHub
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
 from proto.convert import block_event, sampling_from_proto
-from runtime.auth import AuthError, Need, WorkerCredential, check_grant, current_principal, derive, refuse, worker_of
-from runtime.grpc_server import follow_readiness, start_server
+from runtime.auth import AuthError, Need, WorkerCredential, check_grant, current_principal, refuse, worker_of
+from runtime.grpc_server import start_server
 from runtime.metrics import Identity, start_metrics
-from runtime.service import ServiceBase, serve_until_signal
+from runtime.service import WorkerServiceBase, serve_until_signal
 from runtime.settings import parse_config, setup_torch
-from runtime.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +116,7 @@ class PrefillService(igrpc.PrefillServicer):
         return sum(len(store.keys(t)) for t in store.tiers)
 
 
-class PrefillWorker(ServiceBase):
+class PrefillWorker(WorkerServiceBase):
     """The prefill worker as an embeddable ``runtime.service.Service``: built from its config,
     it installs no signal handler and reads no environment; torch's process-wide settings
     (threads, denormals) are the embedding process's (``runtime.settings.setup_torch``)."""
@@ -127,24 +124,9 @@ class PrefillWorker(ServiceBase):
     role = "prefill"
 
     def __init__(self, config: PrefillConfig):
-        config.require_conductor()
-        super().__init__()
-        self.config = config
-        self.worker_id = config.worker_id or f"prefill-{uuid.uuid4().hex[:6]}"
-        self.credential = WorkerCredential.new(config.cluster_secret_file, self.worker_id, config.tls)
+        super().__init__(config)
         self.data_dir = config.data_dir
         self._runner: PrefillRunner | None = None
-        self._link: WorkerLink | None = None
-        self._transfer_address = ""
-
-    @property
-    def name(self) -> str:
-        return f"{self.role} worker {self.worker_id}"
-
-    @property
-    def transfer_address(self) -> str:
-        """The KV transfer engine's advertised address ("" before start)."""
-        return self._transfer_address
 
     def _start(self) -> None:
         cfg = self.config
@@ -169,7 +151,7 @@ class PrefillWorker(ServiceBase):
         faults = FaultInjection(corrupt_seq=cfg.fault_corrupt_frame) if cfg.fault_corrupt_frame else None
         hub = TransferHub(TransferConfig(bind_host=cfg.host, advertise_host=cfg.advertised_host,
                                          max_frame_bytes=cfg.max_frame_bytes,
-                                         auth_key=derive(self.credential.member.secret, "transfer")),
+                                         auth_key=self.credential.transfer_key),
                           cfg.transfer_backend, member=self.credential.member, faults=faults)
         self._closing.callback(hub.close)
         self._transfer_address = hub.address
@@ -189,13 +171,7 @@ class PrefillWorker(ServiceBase):
         def all_blocks() -> list[ipb.BlockEvent]:
             return [block_event(k, t, store.has_snapshot(k)) for t in store.tiers for k in store.keys(t)]
 
-        if cfg.warmup:
-            log.info("warmed up in %.2f s", warm_up(model, cfg.block_size))
-        self._link = WorkerLink(cfg.conductor, info, runner.load, self.credential, all_blocks,
-                                drain_events=events.drain)
-        self._link.start()
-        self._closing.callback(self._link.stop)
-        self._closing.callback(follow_readiness(self._running, self.ready))
+        self._register(model, info, runner.load, all_blocks=all_blocks, drain_events=events.drain)
 
     def ready(self) -> bool:
         return self._running is not None and not self._draining and self._link is not None and self._link.registered

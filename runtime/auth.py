@@ -343,6 +343,11 @@ class WorkerCredential:
     def session_key(self) -> bytes:
         return session_key(self.member.secret, self.worker_id, self.instance_id)
 
+    @property
+    def transfer_key(self) -> bytes:
+        """The key of the transfer engine's handshake (``TransferConfig.auth_key``), the same in every member."""
+        return derive(self.member.secret, "transfer")
+
     def interceptor(self, needs: Mapping[str, Need]) -> AuthInterceptor:
         """SESSION calls to this worker are the Conductor's, signed with this instance's key."""
         return self.member.interceptor(needs, lambda p: self.session_key if p == CONDUCTOR else None)

@@ -16,11 +16,19 @@ import contextlib
 import logging
 import signal
 import threading
+import uuid
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-from runtime.grpc_server import RunningServer
+from engine.model import HybridModel
+from engine.warmup import warm_up
+from kvstore.index import WorkerLoad
+from proto import internal_pb2 as ipb
+from runtime.auth import WorkerCredential
+from runtime.grpc_server import RunningServer, follow_readiness
 from runtime.metrics import MetricsServer
+from runtime.worker_config import WorkerConfig
+from runtime.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +100,42 @@ class ServiceBase:
     def stop(self) -> None:
         self._draining = True
         self._closing.close()
+
+
+class WorkerServiceBase(ServiceBase):
+    """What both worker roles add to ``ServiceBase``: their id (the config's, or the role and a
+    random suffix), the credential of this instance, the transfer address, and the last step
+    of ``_start``: warm up, then register and keep readiness (``_register``)."""
+
+    def __init__(self, config: WorkerConfig):
+        config.require_conductor()
+        super().__init__()
+        self.config = config
+        self.worker_id = config.worker_id or f"{self.role}-{uuid.uuid4().hex[:6]}"
+        self.credential = WorkerCredential.new(config.cluster_secret_file, self.worker_id, config.tls)
+        self._link: WorkerLink | None = None
+        self._transfer_address = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} worker {self.worker_id}"
+
+    @property
+    def transfer_address(self) -> str:
+        """The KV transfer endpoint's advertised address ("" before start)."""
+        return self._transfer_address
+
+    def _register(self, model: HybridModel, info: ipb.WorkerInfo, load: Callable[[], WorkerLoad],
+                  **link_options: Any) -> None:
+        """Warms up (unless the config says not to), then registers ``info`` with the Conductor
+        and heartbeats ``load`` (``runtime.worker_link``); readiness follows ``ready``."""
+        if self.config.warmup:
+            log.info("warmed up in %.2f s", warm_up(model, self.config.block_size))
+        self._link = WorkerLink(self.config.conductor, info, load, self.credential, **link_options)
+        self._link.start()
+        self._closing.callback(self._link.stop)
+        assert self._running is not None
+        self._closing.callback(follow_readiness(self._running, self.ready))
 
 
 def wait_for_signal(announce: str = "") -> None:
