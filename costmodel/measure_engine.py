@@ -4,7 +4,7 @@ way a decode worker runs one. Returns seconds; fitting is elsewhere.
 A timed prefill (``PrefillBench.time_s``) is the worker's path in ``prefill_worker.runner``
 minus the network: reserve pages + a KDA slot, read the reused blocks from a DRAM
 ``TieredStore`` (cut back to the last block with a KDA snapshot), load them into the pages
-(``prefill_worker.blocks.load_blocks``), chunked prefill of the new tokens with snapshots at
+(``prefill_worker.blocks.resume_from_blocks``, the copy from DRAM), chunked prefill of the new tokens with snapshots at
 the worker's snapshot points, sample the first token, store every new full block. Not timed:
 block keys (the Conductor computes them) and the layerwise push to the decode worker (it
 overlaps compute, and is the transfer engine's cost).
@@ -28,7 +28,7 @@ from kvstore.blocks import chain_keys
 from kvstore.hitrule import SnapshotPolicy
 from kvstore.payload import BlockPayload
 from kvstore.store import StoreConfig, TieredStore
-from prefill_worker.blocks import load_blocks, payload_of_block
+from prefill_worker.blocks import payload_of_block, resume_from_blocks
 
 _VALUE_SCALE = 0.05  # typical magnitude of cached latents and states; keeps KDA arithmetic tame
 _GREEDY = SamplingParams(max_new_tokens=1)
@@ -119,7 +119,7 @@ class PrefillBench:
                 payloads.append(payload)
             while payloads and not payloads[-1].has_snapshot:
                 payloads.pop()
-            cached = load_blocks(model, cache, seq, payloads)
+            cached = resume_from_blocks(model, cache, seq, 0, None, payloads)
             points = [(i + 1) * bs for i in self.policy.snapshot_points(len(ids) // bs)]
             logits = model.prefill(cache, seq, ids[cached:], snapshot_at=[q for q in points if q > cached])
             sample(logits, [_GREEDY], [len(ids)])

@@ -3,6 +3,11 @@
 Owns allocation and freeing only; it knows nothing of scheduling (the caller decides what to
 do when ``try_*`` returns None). Pages are the unit the KV store moves.
 
+Pages are reference-counted: a page may be held by several requests and by the KV store's
+device tier at once (a cached prefix reused in place, ``try_reserve(shared_pages=...)``). A
+shared page is read-only: writing into one first copies it to a fresh page of the writer's
+own (copy-on-write, ``ensure_writable``), so the other holders never see the write.
+
 Layout::
 
     PagePool.kv        [num_mla_layers, num_pages, block_size, latent_dim]
@@ -15,11 +20,15 @@ Layout::
 On CPU all three live in shareable memory (``engine.memory``), so a same-host transfer can write
 received KV straight into a request's pages and state slot.
 
-Not thread-safe: one owner (the engine loop of a worker) calls it.
+Not thread-safe, except ``PagePool``'s counts (the device tier frees pages from the store's
+threads): one owner (the engine loop of a worker) calls the rest.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,15 +38,17 @@ from engine.memory import shareable_zeros
 
 
 class PagePool:
-    """A bounded pool of fixed-size MLA pages."""
+    """A bounded pool of fixed-size MLA pages, each with a count of its holders."""
 
-    def __init__(self, cfg: ModelConfig, num_pages: int, block_size: int, dtype: torch.dtype, device: str):
+    def __init__(self, num_layers: int, num_pages: int, block_size: int, latent_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str = "cpu"):
         if num_pages <= 0 or block_size <= 0:
             raise ValueError(f"num_pages={num_pages} and block_size={block_size} must be positive")
         self.block_size = block_size
-        self.kv = shareable_zeros((len(cfg.mla_layer_ids), num_pages, block_size, cfg.latent_dim), dtype, device)
+        self.kv = shareable_zeros((num_layers, num_pages, block_size, latent_dim), dtype, device)
         self._free = list(range(num_pages - 1, -1, -1))
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}  # page -> number of holders (requests, the device tier)
+        self._lock = threading.Lock()
 
     @property
     def num_pages(self) -> int:
@@ -51,24 +62,54 @@ class PagePool:
     def page_bytes(self) -> int:
         return self.kv[:, 0].numel() * self.kv.element_size()
 
+    def refcount(self, page: int) -> int:
+        return self._refs.get(page, 0)
+
     def try_allocate(self, n: int) -> list[int] | None:
-        """n page ids, or None (and nothing taken) when fewer than n are free."""
-        if n > len(self._free):
-            return None
-        pages = [self._free.pop() for _ in range(n)]
-        self._used.update(pages)
-        return pages
+        """n page ids, each with one holder, or None (and nothing taken) when fewer than n are free."""
+        with self._lock:
+            if n > len(self._free):
+                return None
+            pages = [self._free.pop() for _ in range(n)]
+            for p in pages:
+                self._refs[p] = 1
+            return pages
 
-    def free(self, pages: list[int]) -> None:
-        for p in pages:
-            if p not in self._used:
-                raise ValueError(f"page {p} freed but not allocated")
-            self._used.remove(p)
-            self._free.append(p)
+    def share(self, pages: Iterable[int]) -> None:
+        """One more holder for each (allocated) page."""
+        pages = list(pages)
+        with self._lock:
+            missing = [p for p in pages if p not in self._refs]
+            if missing:
+                raise ValueError(f"pages {missing} shared but not allocated")
+            for p in pages:
+                self._refs[p] += 1
 
-    def check_integrity(self) -> None:
-        assert len(self._free) + len(self._used) == self.num_pages, "pages lost or duplicated"
-        assert not self._used.intersection(self._free), "a page is both free and used"
+    def free(self, pages: Iterable[int]) -> None:
+        """One holder fewer for each page; a page with none left goes back to the free list."""
+        pages = list(pages)
+        with self._lock:
+            held = Counter(pages)
+            over = [p for p, n in held.items() if self._refs.get(p, 0) < n]
+            if over:
+                raise ValueError(f"pages {over} freed but not allocated")
+            for p in pages:
+                self._refs[p] -= 1
+                if not self._refs[p]:
+                    del self._refs[p]
+                    self._free.append(p)
+
+    def check_integrity(self, holders: Iterable[int] | None = None) -> None:
+        """Pages neither lost nor duplicated; with ``holders`` (every page each holder holds,
+        repeated per holder), each page's count is exactly its holders."""
+        with self._lock:
+            assert len(self._free) + len(self._refs) == self.num_pages, "pages lost or duplicated"
+            assert not self._refs.keys() & set(self._free), "a page is both free and used"
+            assert all(n > 0 for n in self._refs.values()), "a used page without holders"
+            if holders is not None:
+                counted = Counter(holders)
+                assert counted == Counter(self._refs), (
+                    f"page holders disagree with the counts: {dict(counted)} != {self._refs}")
 
 
 class StateSlots:
@@ -124,7 +165,7 @@ class CacheManager:
     def __init__(self, cfg: ModelConfig, num_pages: int, num_slots: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: str = "cpu"):
         self.cfg = cfg
-        self.pool = PagePool(cfg, num_pages, block_size, dtype, device)
+        self.pool = PagePool(len(cfg.mla_layer_ids), num_pages, block_size, cfg.latent_dim, dtype, device)
         self.slots = StateSlots(cfg, num_slots, device)
         self.block_size = block_size
         self.live: dict[str, SequenceCache] = {}
@@ -132,18 +173,26 @@ class CacheManager:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def try_reserve(self, request_id: str, num_tokens: int) -> SequenceCache | None:
-        """Reserves pages for num_tokens and a state slot, or returns None (nothing taken)."""
+    def try_reserve(self, request_id: str, num_tokens: int, shared_pages: Sequence[int] = ()) -> SequenceCache | None:
+        """Reserves pages for num_tokens and a state slot, or returns None (nothing taken).
+
+        ``shared_pages``: pages already holding the request's leading blocks (a cached prefix,
+        read-only while shared); the request becomes one more holder of each and gets fresh
+        pages for the rest. The caller sets ``num_tokens`` and the KDA slot for the prefix."""
         if request_id in self.live:
             raise ValueError(f"request {request_id!r} already holds a cache")
-        pages = self.pool.try_allocate(self.pages_for(num_tokens))
+        need = self.pages_for(num_tokens) - len(shared_pages)
+        if need < 0:
+            raise ValueError(f"{len(shared_pages)} shared pages for {num_tokens} tokens")
+        pages = self.pool.try_allocate(need)
         if pages is None:
             return None
         slot = self.slots.try_allocate()
         if slot is None:
             self.pool.free(pages)
             return None
-        seq = SequenceCache(request_id, pages, slot)
+        self.pool.share(shared_pages)
+        seq = SequenceCache(request_id, [*shared_pages, *pages], slot)
         self.live[request_id] = seq
         return seq
 
@@ -157,6 +206,19 @@ class CacheManager:
             return False
         seq.pages.extend(more)
         return True
+
+    def ensure_writable(self, seq: SequenceCache, page_index: int) -> None:
+        """Copy-on-write: if seq's page ``page_index`` has other holders, seq gets a fresh
+        copy of it (the others keep the original). MemoryError when no page is free."""
+        page = seq.pages[page_index]
+        if self.pool.refcount(page) <= 1:
+            return
+        fresh = self.pool.try_allocate(1)
+        if fresh is None:
+            raise MemoryError(f"request {seq.request_id}: no free page to copy shared page {page} before writing")
+        self.pool.kv[:, fresh[0]] = self.pool.kv[:, page]
+        seq.pages[page_index] = fresh[0]
+        self.pool.free([page])
 
     def release(self, seq: SequenceCache) -> None:
         """Frees everything seq holds. Idempotent per request."""
@@ -181,15 +243,19 @@ class CacheManager:
         """Writes rows [n, L] for tokens [start, start+n) of one MLA layer into seq's pages."""
         bs, kv = self.block_size, self.pool.kv[mla_index]
         pos, n = start, rows.shape[0]
+        for index in range(start // bs, -(-(start + n) // bs)):
+            self.ensure_writable(seq, index)
         while pos < start + n:
             page, off = seq.pages[pos // bs], pos % bs
             take = min(bs - off, start + n - pos)
             kv[page, off : off + take] = rows[pos - start : pos - start + take]
             pos += take
 
-    def check_integrity(self) -> None:
-        self.pool.check_integrity()
+    def check_integrity(self, other_holders: Iterable[int] = ()) -> None:
+        """Every count right: each page's holders are exactly the live requests holding it plus
+        ``other_holders`` (the pages a device tier holds, one entry per hold)."""
         self.slots.check_integrity()
         held = [p for s in self.live.values() for p in s.pages]
-        assert len(held) == len(set(held)), "a page is held by two requests"
-        assert len(held) == self.pool.num_pages - self.pool.num_free, "pages leaked"
+        for s in self.live.values():
+            assert len(s.pages) == len(set(s.pages)), f"request {s.request_id} holds a page twice"
+        self.pool.check_integrity([*held, *other_holders])

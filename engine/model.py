@@ -151,6 +151,7 @@ class HybridModel:
         for s in seqs:
             if s.num_tokens >= len(s.pages) * bs:
                 raise ValueError(f"request {s.request_id}: no page for position {s.num_tokens}; extend first")
+            cache.ensure_writable(s, s.num_tokens // bs)
         max_pages = max(len(s.pages) for s in seqs)
         table = torch.tensor([s.pages + [0] * (max_pages - len(s.pages)) for s in seqs], device=dev)
         write_page = table.gather(1, (pos // bs).unsqueeze(1)).squeeze(1)

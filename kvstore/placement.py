@@ -137,6 +137,57 @@ class Placement:
             self._emit("removed", key, current, has_snapshot=False)
         return False
 
+    def adopt(self, key: BlockKey, page: int, snapshot) -> bool:
+        """Hold a request's ``page`` as block ``key`` in the device tier (``DeviceTier.adopt``),
+        moving the block up from a slower tier when it is there. A block already on the device
+        is only touched unless this adds a snapshot. False (nothing changed) when the key is
+        pinned elsewhere or the device tier cannot make room."""
+        device = self.tiers.get(Tier.DEVICE)
+        assert isinstance(device, DeviceTier), "adopt needs a device tier"
+        current = self.where.get(key)
+        if current is not None:
+            if snapshot is None and (current == Tier.DEVICE or self.tiers[current].ledger.has_snapshot(key)):
+                self.policies[current].on_access(key)
+                return True
+            if key in self.pins:
+                return False
+        size_bytes = device.snapshot_size(snapshot)
+        if current == Tier.DEVICE:  # replaced by the copy with a snapshot
+            self._detach(key, current)
+            del self.where[key]
+            self._emit("removed", key, current, has_snapshot=False)
+            current = None
+        self.pin(key)  # the demotions that make room must not move this block's slower copy
+        try:
+            room = self._make_room(Tier.DEVICE, size_bytes)
+        finally:
+            self.unpin(key)
+        if not room:
+            return False
+        if current is not None:
+            self._detach(key, current)
+            self.metrics.promoted(current)
+        device.adopt(key, page, snapshot)
+        self.policies[Tier.DEVICE].on_insert(key)
+        self.where[key] = Tier.DEVICE
+        self._emit("moved" if current is not None else "stored", key, Tier.DEVICE)
+        return True
+
+    def free_device_pages(self, num_pages: int) -> bool:
+        """Evict (demote) unpinned device blocks until the pool has ``num_pages`` free pages;
+        False when it cannot (the rest are pinned or held by running requests)."""
+        device = self.tiers.get(Tier.DEVICE)
+        if not isinstance(device, DeviceTier):
+            return False
+        while device.num_free_pages < num_pages:
+            view = EvictionView(device.ledger.sizes_bytes, self.pins.keys())
+            victims = self.policies[Tier.DEVICE].select_victims(view, 1)
+            if not victims:
+                return False
+            self.metrics.evicted(Tier.DEVICE)
+            self._demote(victims[0], Tier.DEVICE)
+        return True
+
     def get(self, key: BlockKey) -> Blob | None:
         """The block as its tier holds it (a device payload copy, DRAM bytes, or a verified
         SSD buffer), counting the access and promoting an unpinned block; None when absent

@@ -7,6 +7,11 @@ demotes them device -> DRAM -> SSD -> dropped; a hit in a slower tier promotes t
 ``StoreConfig.promote_to``. Pinned blocks stay where they are: never evicted, demoted,
 promoted or replaced.
 
+The device tier is the prefill worker's engine page pool (``kvstore.device``): a finished
+prefill's blocks are adopted in the pages they were computed in (``adopt``), a later request
+pins and shares them in place (``pin_device_prefix``), and unpinned ones are demoted when the
+engine needs pages (``free_device_pages``).
+
 Locking: one ``threading.Lock`` guards every public method, tier I/O included (so a slow
 SSD write delays other callers). ``on_event`` callbacks run under that lock, in the order
 the changes happen; a callback must be quick (enqueue) and must not call the store.
@@ -26,7 +31,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 
 from kvstore.blocks import KEY_BYTES, BlockKey, Tier
-from kvstore.device import DeviceTier
+from kvstore.device import DeviceTier, Snapshot
 from kvstore.dram import DramTier
 from kvstore.eviction import DEFAULT_POLICY, POLICIES
 from kvstore.hitrule import MatchResult, SnapshotPolicy, match_blocks
@@ -164,10 +169,59 @@ class TieredStore:
 
     def page_of(self, key: BlockKey) -> int | None:
         """The device page holding ``key`` (None unless it is in the device tier); pin the
-        key for as long as the page is read."""
+        key for as long as the page is read (``pin_device_prefix`` does both)."""
         with self._lock:
             device = self._placement.tiers.get(Tier.DEVICE)
             return device.page_of(key) if isinstance(device, DeviceTier) else None
+
+    def pin_device_prefix(self, keys: Sequence[BlockKey]) -> list[tuple[int, Snapshot | None]]:
+        """Pin the leading run of ``keys`` held in the device tier and return each one's
+        (page, KDA snapshot or None), to be reused in place; unpin the keys when done."""
+        with self._lock:
+            device = self._placement.tiers.get(Tier.DEVICE)
+            if not isinstance(device, DeviceTier):
+                return []
+            out: list[tuple[int, Snapshot | None]] = []
+            for key in keys:
+                page = device.page_of(key)
+                if page is None:
+                    break
+                self._placement.pin(key)
+                self._placement.policies[Tier.DEVICE].on_access(key)
+                self.metrics.lookup(Tier.DEVICE)
+                out.append((page, device.snapshot_of(key)))
+            return out
+
+    def adopt(self, key: BlockKey, page: int, snapshot: Snapshot | None) -> bool:
+        """Keep block ``key`` in the device tier as the page a request computed it in (no
+        copy; ``DeviceTier.adopt``), moving it up from a slower tier if it is there. False
+        when there is no device tier, the key is pinned elsewhere, or no room can be made."""
+        self._check_key(key)
+        with self._lock:
+            if Tier.DEVICE not in self._placement.tiers:
+                return False
+            return self._placement.adopt(key, page, snapshot)
+
+    def free_device_pages(self, num_pages: int) -> bool:
+        """Demote unpinned device blocks until the engine's pool has ``num_pages`` free pages
+        (the prefill worker calls it when a request's pages do not fit). False when it cannot."""
+        with self._lock:
+            return self._placement.free_device_pages(num_pages)
+
+    def num_evictable_device_blocks(self) -> int:
+        """Device-tier blocks that are not pinned (their pages can be freed on demand)."""
+        with self._lock:
+            device = self._placement.tiers.get(Tier.DEVICE)
+            if not isinstance(device, DeviceTier):
+                return 0
+            pinned = sum(1 for key in self._placement.pins if self._placement.where.get(key) == Tier.DEVICE)
+            return len(device.ledger.sizes_bytes) - pinned
+
+    def device_pages(self) -> list[int]:
+        """The pool pages the device tier holds (for ``CacheManager.check_integrity``)."""
+        with self._lock:
+            device = self._placement.tiers.get(Tier.DEVICE)
+            return device.held_pages() if isinstance(device, DeviceTier) else []
 
     def match(self, keys: Sequence[BlockKey]) -> MatchResult:
         """The longest prefix of ``keys`` reusable under the hybrid hit rule (no side effects;

@@ -1,5 +1,9 @@
 """Conversion between a request's cache (pages + KDA slot) and store blocks.
 
+A request resumes from reused blocks (``resume_from_blocks``): device-tier pages it already
+shares, then payloads copied into its own pages. A finished block leaves as a payload copy
+(``payload_of_block``) only when the device tier cannot keep its page.
+
 Block i covers tokens [i*bs, (i+1)*bs); its payload holds those rows of every MLA layer and,
 when block i is a snapshot point, the KDA state after token (i+1)*bs::
 
@@ -12,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine import CacheManager, HybridModel, SequenceCache
+from kvstore.device import Snapshot
 from kvstore.payload import BlockPayload
 
 
@@ -29,26 +34,34 @@ def payload_of_block(model: HybridModel, cache: CacheManager, seq: SequenceCache
     )
 
 
-def load_blocks(model: HybridModel, cache: CacheManager, seq: SequenceCache, payloads: Sequence[BlockPayload]) -> int:
-    """Writes leading blocks into a fresh seq and resumes its KDA state from the last block's
-    snapshot. Returns the number of tokens now cached. ValueError if they do not fit the model."""
+def resume_from_blocks(model: HybridModel, cache: CacheManager, seq: SequenceCache, num_in_place: int,
+                       in_place_snapshot: Snapshot | None, payloads: Sequence[BlockPayload]) -> int:
+    """Resumes a fresh seq after its leading blocks: the first ``num_in_place`` are already its
+    pages (shared device-tier pages, reused in place), ``payloads`` follow and are copied into
+    its next pages. The KDA state comes from the last block's snapshot (``in_place_snapshot``
+    when no payload follows), copied into seq's own slot; a payload's snapshot is also kept
+    in ``seq.snapshots``, so the block can be stored again with it. Returns the number of
+    tokens now cached. ValueError if the blocks do not fit the model or lack the snapshot."""
     if seq.num_tokens:
         raise ValueError(f"request {seq.request_id} already holds {seq.num_tokens} tokens")
-    if not payloads:
+    if not num_in_place and not payloads:
         return 0
-    last = payloads[-1]
-    if not last.has_snapshot:
+    snapshot = (payloads[-1].kda_state, payloads[-1].kda_conv) if payloads else in_place_snapshot
+    if snapshot is None or snapshot[0] is None or snapshot[1] is None:
         raise ValueError("the last reused block carries no KDA snapshot")
-    cfg = model.cfg
+    cfg, bs = model.cfg, cache.block_size
     for p in payloads:
         if p.model_fingerprint != model.fingerprint or p.mla_layer_ids != cfg.mla_layer_ids:
             raise ValueError(f"block is for model {p.model_fingerprint}, layers {p.mla_layer_ids}; "
                              f"this worker serves {model.fingerprint}, layers {cfg.mla_layer_ids}")
-        if p.block_size != cache.block_size:
-            raise ValueError(f"block of {p.block_size} tokens, cache uses {cache.block_size}")
-    for i, p in enumerate(payloads):
-        cache.pool.kv[:, seq.pages[i]] = p.mla.to(cache.pool.kv.device, cache.pool.kv.dtype)
-    cache.slots.state[:, seq.slot] = last.kda_state
-    cache.slots.conv[:, seq.slot] = last.kda_conv
-    seq.num_tokens = len(payloads) * cache.block_size
+        if p.block_size != bs:
+            raise ValueError(f"block of {p.block_size} tokens, cache uses {bs}")
+    kv = cache.pool.kv
+    for i, p in enumerate(payloads, start=num_in_place):
+        kv[:, seq.pages[i]] = p.mla.to(kv.device, kv.dtype)
+        if p.has_snapshot:
+            seq.snapshots[(i + 1) * bs] = (p.kda_state, p.kda_conv)
+    cache.slots.state[:, seq.slot] = snapshot[0]
+    cache.slots.conv[:, seq.slot] = snapshot[1]
+    seq.num_tokens = (num_in_place + len(payloads)) * bs
     return seq.num_tokens

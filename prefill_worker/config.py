@@ -11,6 +11,9 @@ from runtime.worker_config import WorkerConfig
 class PrefillConfig(WorkerConfig):
     num_pages: int = field(default=1024, metadata={"help": "MLA cache pages in the engine's pool"})
     snapshot_interval_blocks: int = field(default=4, metadata={"help": "a KDA snapshot every N blocks"})
+    device_bytes: int = field(default=256 << 20, metadata={
+        "help": "device tier capacity: cached blocks kept in the engine's page pool and reused in place "
+                "(pages plus KDA snapshots; the pool's page count bounds it too); 0 turns the tier off"})
     dram_bytes: int = field(default=512 << 20, metadata={"help": "DRAM tier capacity"})
     ssd_bytes: int = field(default=1 << 30, metadata={"help": "SSD tier capacity"})
     data_dir: str = field(default="", metadata={"help": "SSD tier directory (default: a temporary one)"})
@@ -25,5 +28,6 @@ class PrefillConfig(WorkerConfig):
             raise ValueError(f"snapshot_interval_blocks {self.snapshot_interval_blocks} < 1")
         if self.fault_corrupt_frame < 0:
             raise ValueError(f"fault_corrupt_frame {self.fault_corrupt_frame} < 0")
-        if self.dram_bytes < 0 or self.ssd_bytes < 0:
-            raise ValueError(f"dram_bytes {self.dram_bytes} and ssd_bytes {self.ssd_bytes} must be >= 0")
+        if self.device_bytes < 0 or self.dram_bytes < 0 or self.ssd_bytes < 0:
+            raise ValueError(f"device_bytes {self.device_bytes}, dram_bytes {self.dram_bytes} and ssd_bytes "
+                             f"{self.ssd_bytes} must be >= 0")

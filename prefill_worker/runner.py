@@ -23,18 +23,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from engine import HybridModel, SamplingParams, SequenceCache, sample
+from engine import CacheManager, HybridModel, SamplingParams, SequenceCache, sample
+from kvstore.device import Snapshot
 from kvstore.hitrule import SnapshotPolicy
 from kvstore.index import PrefillJobLoad, WorkerLoad
 from kvstore.payload import BlockPayload, PayloadError, decode
 from kvstore.store import TieredStore
 from kvstore.transfer.base import TransferError
 from kvstore.transfer.frames import Kind
-from prefill_worker.blocks import load_blocks, payload_of_block
+from prefill_worker.blocks import payload_of_block, resume_from_blocks
 from prefill_worker.metrics import PrefillMetrics
 from prefill_worker.transfers import TransferHub
 
@@ -63,6 +64,25 @@ class PrefillJob:
     grant_expiry_ms: int = 0
 
 
+@dataclass
+class Reuse:
+    """The blocks a prefill starts from: ``in_place`` (page, snapshot) of the leading run held
+    in the device tier, whose keys are ``pinned`` until the prefill ends, then ``loaded``
+    payloads copied into fresh pages after them."""
+
+    in_place: list[tuple[int, Snapshot | None]] = field(default_factory=list)
+    pinned: list[bytes] = field(default_factory=list)
+    loaded: list[BlockPayload] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.in_place) + len(self.loaded)
+
+    @property
+    def in_place_snapshot(self) -> Snapshot | None:
+        return self.in_place[-1][1] if self.in_place else None
+
+
 @dataclass(frozen=True)
 class PrefillOutcome:
     first_token: int
@@ -71,12 +91,13 @@ class PrefillOutcome:
 
 
 class PrefillRunner:
-    def __init__(self, model: HybridModel, store: TieredStore, hub: TransferHub, num_pages: int,
-                 block_size: int, snapshot_interval_blocks: int, metrics: PrefillMetrics | None = None):
+    def __init__(self, model: HybridModel, store: TieredStore, hub: TransferHub, cache: CacheManager,
+                 snapshot_interval_blocks: int, metrics: PrefillMetrics | None = None):
+        """``cache``: the engine's pages; the store's device tier, if it has one, is over its pool."""
         self.model = model
         self.store = store
         self.hub = hub
-        self.cache = model.new_cache(num_pages, num_slots=2, block_size=block_size)
+        self.cache = cache
         self.snapshots = SnapshotPolicy(snapshot_interval_blocks)
         self._engine_lock = threading.Lock()
         self.draining = False
@@ -99,7 +120,12 @@ class PrefillRunner:
                          for rid, (new, reused, start) in self._jobs.items())
         running = sum(j.elapsed_s > 0 for j in jobs)
         return WorkerLoad(num_queued=len(jobs) - running, num_running=running,
-                          num_free_pages=self.cache.pool.num_free, prefill_jobs=jobs, timestamp_s=time.time())
+                          num_free_pages=self.free_pages(), prefill_jobs=jobs, timestamp_s=time.time())
+
+    def free_pages(self) -> int:
+        """Pages a new request can get: free ones plus those of unpinned device-tier blocks
+        (demoted on demand)."""
+        return self.cache.pool.num_free + self.store.num_evictable_device_blocks()
 
     def run(self, job: PrefillJob, is_cancelled: Callable[[], bool]) -> PrefillOutcome:
         bs = self.cache.block_size
@@ -136,20 +162,26 @@ class PrefillRunner:
                     return
             time.sleep(0.01)  # let a queued prefill take the lock
 
+    def check_integrity(self) -> None:
+        """The store's invariants, and every page's holders exactly the live requests plus the
+        device tier. AssertionError otherwise."""
+        with self._engine_lock:
+            self.store.check_integrity()
+            self.cache.check_integrity(self.store.device_pages())
+
     @torch.inference_mode()
     def _run_locked(self, job: PrefillJob, is_cancelled: Callable[[], bool]) -> PrefillOutcome:
         t0 = time.perf_counter()
-        seq = self.cache.try_reserve(job.request_id, len(job.token_ids))
-        if seq is None:
-            raise Busy(f"prefill cache full: {len(job.token_ids)} tokens need "
-                       f"{self.cache.pages_for(len(job.token_ids))} pages, {self.cache.pool.num_free} free")
-        sender = None
+        reuse, seq, sender = Reuse(), None, None
         try:
-            cached = load_blocks(self.model, self.cache, seq, self._reuse_payloads(job))
+            self._plan_reuse(job, reuse)
+            seq = self._reserve(job, reuse)
+            cached = resume_from_blocks(self.model, self.cache, seq, len(reuse.in_place), reuse.in_place_snapshot,
+                                        reuse.loaded)
             sender = self.hub.sender(job.decode_address)
             first = self._prefill_and_push(job, seq, cached, sender, is_cancelled)
             sender.finish(job.request_id, self.model.cfg.num_hidden_layers, timeout_s=job.deadline_s)
-            self._store_new_blocks(job, seq, cached)
+            self._store_new_blocks(job, seq, len(reuse.in_place))
             prefill_s = time.perf_counter() - t0
             self.metrics.prefilled(len(job.token_ids) - cached, cached, prefill_s)
             return PrefillOutcome(first, cached, prefill_s)
@@ -160,28 +192,49 @@ class PrefillRunner:
                 sender.abort(job.request_id, f"prefill failed: {e}", wait_s=self.hub.config.connect_timeout_s)
             raise
         finally:
-            self.cache.release(seq)
+            if seq is not None:
+                self.cache.release(seq)
+            self.store.unpin(reuse.pinned)
+
+    def _reserve(self, job: PrefillJob, reuse: Reuse) -> SequenceCache:
+        """The request's cache: the reused device pages shared, fresh pages for the rest; when
+        the pool is short, unpinned device blocks are demoted to DRAM to free pages."""
+        n = len(job.token_ids)
+        shared = [page for page, _ in reuse.in_place]
+        seq = self.cache.try_reserve(job.request_id, n, shared_pages=shared)
+        if seq is None and self.store.free_device_pages(self.cache.pages_for(n) - len(shared)):
+            seq = self.cache.try_reserve(job.request_id, n, shared_pages=shared)
+        if seq is None:
+            raise Busy(f"prefill cache full: {n} tokens need {self.cache.pages_for(n) - len(shared)} "
+                       f"new pages, {self.cache.pool.num_free} free")
+        return seq
 
     # ---- reuse --------------------------------------------------------------------------------
-    def _reuse_payloads(self, job: PrefillJob) -> list[BlockPayload]:
-        """The leading blocks to reuse, cut back to the deepest one with a KDA snapshot."""
+    def _plan_reuse(self, job: PrefillJob, reuse: Reuse) -> None:
+        """Fills ``reuse`` with the leading blocks to reuse, cut back to the deepest one with a
+        KDA snapshot: first the run held in the device tier (pinned, reused in place), then
+        blocks copied in from the holder worker or the own DRAM/SSD tiers."""
         keys = list(job.block_keys[: job.reuse_blocks])
         if not keys:
-            return []
-        payloads: list[BlockPayload] = []
+            return
         if job.holder_rpc_address:
-            payloads = self._pull(job, keys)
-        if not payloads:
-            for key in keys:
+            reuse.loaded = self._pull(job, keys)
+        if not reuse.loaded:
+            reuse.in_place = self.store.pin_device_prefix(keys)
+            reuse.pinned = keys[: len(reuse.in_place)]
+            for key in keys[len(reuse.in_place):]:
                 p = self.store.try_get(key)
                 if p is None:
                     break
-                payloads.append(p)
-        while payloads and not payloads[-1].has_snapshot:
-            payloads.pop()
-        if len(payloads) < len(keys):
-            log.info("request %s: reusing %d of %d planned blocks", job.request_id, len(payloads), len(keys))
-        return payloads
+                reuse.loaded.append(p)
+        while reuse.loaded and not reuse.loaded[-1].has_snapshot:
+            reuse.loaded.pop()
+        if not reuse.loaded:
+            while reuse.in_place and reuse.in_place[-1][1] is None:
+                reuse.in_place.pop()
+        if reuse.num_blocks < len(keys):
+            log.info("request %s: reusing %d of %d planned blocks (%d in place)", job.request_id,
+                     reuse.num_blocks, len(keys), len(reuse.in_place))
 
     def _pull(self, job: PrefillJob, keys: list[bytes]) -> list[BlockPayload]:
         """Blocks from the holder worker; they are kept here too. [] when the pull fails."""
@@ -236,8 +289,13 @@ class PrefillRunner:
             hi = min(end, lo + step)
             sender.send(rid, layer, Kind.MLA_ROWS, (lo, hi), self.cache.rows(seq, mla_index, lo, hi))
 
-    def _store_new_blocks(self, job: PrefillJob, seq: SequenceCache, cached: int) -> None:
+    def _store_new_blocks(self, job: PrefillJob, seq: SequenceCache, in_place: int) -> None:
+        """Every full block not reused in place: kept in the device tier as the page it was
+        computed (or loaded) in; when the device tier cannot take it, copied to DRAM."""
         bs = self.cache.block_size
-        for i in range(cached // bs, len(job.block_keys)):
-            if not self.store.contains(job.block_keys[i]):
-                self.store.put(job.block_keys[i], payload_of_block(self.model, self.cache, seq, i))
+        for i in range(in_place, len(job.block_keys)):
+            key, snapshot = job.block_keys[i], seq.snapshots.get((i + 1) * bs)
+            if self.store.adopt(key, seq.pages[i], snapshot):
+                continue
+            if not self.store.contains(key) or (snapshot is not None and not self.store.has_snapshot(key)):
+                self.store.put(key, payload_of_block(self.model, self.cache, seq, i))

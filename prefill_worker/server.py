@@ -18,6 +18,7 @@ import threading
 import grpc
 
 import engine
+from kvstore.device import DeviceTier
 from kvstore.metrics import StoreMetrics
 from kvstore.store import StoreConfig, StoreEvent, TieredStore
 from kvstore.transfer.base import FaultInjection, TransferConfig, TransferError
@@ -108,7 +109,7 @@ class PrefillService(igrpc.PrefillServicer):
 
     def Stats(self, request: ipb.StatsRequest, context: grpc.ServicerContext) -> ipb.WorkerStats:
         cache = self.runner.cache
-        return ipb.WorkerStats(num_free_pages=cache.pool.num_free, num_pages_total=cache.pool.num_pages,
+        return ipb.WorkerStats(num_free_pages=self.runner.free_pages(), num_pages_total=cache.pool.num_pages,
                                num_live_requests=len(cache.live), num_blocks_stored=self._num_blocks())
 
     def _num_blocks(self) -> int:
@@ -142,11 +143,16 @@ class PrefillWorker(WorkerServiceBase):
             self.data_dir = tempfile.mkdtemp(prefix=f"tidekv-{self.worker_id}-")
             self._closing.callback(shutil.rmtree, self.data_dir, ignore_errors=True)
         events = EventQueue()
+        cache = model.new_cache(cfg.num_pages, num_slots=2, block_size=cfg.block_size)
+        device = None
+        if cfg.device_bytes:
+            device = DeviceTier(cache.pool, cfg.device_bytes, model.fingerprint, mcfg.mla_layer_ids,
+                                mcfg.kda_layer_ids)
         store = TieredStore(StoreConfig(model_fingerprint=model.fingerprint, dram_capacity_bytes=cfg.dram_bytes,
                                         ssd_capacity_bytes=cfg.ssd_bytes, ssd_dir=f"{self.data_dir}/ssd",
                                         eviction_policy=cfg.eviction,
                                         snapshot_interval_blocks=cfg.snapshot_interval_blocks),
-                            on_event=events.on_event, metrics=StoreMetrics(ident))
+                            device=device, on_event=events.on_event, metrics=StoreMetrics(ident))
         self._closing.callback(store.close)
         faults = FaultInjection(corrupt_seq=cfg.fault_corrupt_frame) if cfg.fault_corrupt_frame else None
         hub = TransferHub(TransferConfig(bind_host=cfg.host, advertise_host=cfg.advertised_host,
@@ -155,8 +161,8 @@ class PrefillWorker(WorkerServiceBase):
                           cfg.transfer_backend, member=self.credential.member, faults=faults)
         self._closing.callback(hub.close)
         self._transfer_address = hub.address
-        self._runner = runner = PrefillRunner(model, store, hub, cfg.num_pages, cfg.block_size,
-                                              cfg.snapshot_interval_blocks, metrics=PrefillMetrics(ident))
+        self._runner = runner = PrefillRunner(model, store, hub, cache, cfg.snapshot_interval_blocks,
+                                              metrics=PrefillMetrics(ident))
         service = PrefillService(runner, hub, events, self.credential)
         self._running = start_server([lambda s: igrpc.add_PrefillServicer_to_server(service, s)],
                                      ["tidekv.v1.Prefill"], cfg.host, cfg.port, advertise_host=cfg.advertised_host,

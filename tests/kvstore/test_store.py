@@ -15,7 +15,8 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from kvstore.blocks import BlockKey, Tier, block_key, chain_keys
-from kvstore.device import DeviceTier, SimplePagePool
+from engine.cache import PagePool
+from kvstore.device import DeviceTier
 from kvstore.eviction import POLICIES
 from kvstore.metrics import StoreMetrics
 from kvstore.payload import BlockPayload, PayloadError, encode, encoded_nbytes, make_random_payload
@@ -44,7 +45,7 @@ KEYS = chain_keys(list(range(4 * 40)), 4, FP)
 
 
 def device_tier(num_pages: int, capacity_bytes: int) -> DeviceTier:
-    pool = SimplePagePool(torch.zeros(len(MLA_LAYERS), num_pages, 4, 8))
+    pool = PagePool(len(MLA_LAYERS), num_pages, 4, 8)
     return DeviceTier(pool, capacity_bytes, FP, MLA_LAYERS)
 
 

@@ -128,7 +128,7 @@ class InProcCluster:
                         ssd_capacity_bytes=400 * block_bytes, ssd_dir=f"{self.tmp.name}/ssd", ssd_fsync=False),
             on_event=self._on_event, metrics=StoreMetrics(Identity(PREFILL, "prefill", "tiny"), registry))
         self.hub = TransferHub(TransferConfig())
-        self.runner = PrefillRunner(self.model, self.store, self.hub, 512, BS, 2,
+        self.runner = PrefillRunner(self.model, self.store, self.hub, self.model.new_cache(512, 2, BS), 2,
                                     metrics=PrefillMetrics(Identity(PREFILL, "prefill", "tiny"), registry))
         self.scheduler = DecodeScheduler(self.model, 1024, 16, BS,
                                          metrics=DecodeMetrics(Identity(DECODE, "decode", "tiny"), registry))
