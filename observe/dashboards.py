@@ -126,6 +126,11 @@ def scheduler() -> Dashboard:
            Target(f"max by (worker_id) (tidekv:prefill_chunk_seconds:p99_1m{{{W}}})", "chunk {{worker_id}}"),
            Target(f"max by (worker_id, kind) (tidekv:prefill_layer_seconds:p99_1m{{{W}}})",
                   "{{kind}} layer {{worker_id}}"), unit="s"),
+        ts("Where a prefill's time goes (mean seconds per prefill)",
+           Target(f"{rate('tidekv:prefill_stage_seconds_sum', 'stage', W)} / "
+                  f"{rate('tidekv:prefill_stage_seconds_count', 'stage', W)}", "{{stage}}"),
+           unit="s", stacked=True,
+           description="queue, reuse load, compute, KV push, the decode worker's verdict, storing blocks"),
         ts("Decode batch size (mean)", Target(f"{rate('tidekv:decode_batch_size_sum', 'worker_id', W)} / "
                                               f"{rate('tidekv:decode_batch_size_count', 'worker_id', W)}",
                                               "{{worker_id}}")),

@@ -1,6 +1,7 @@
 """The prefill worker's Prometheus metrics: tokens computed and reused (rate = tokens/s),
-the duration of each prefill, of each chunk and of each layer, and scrape-time gauges of the
-runner (queued and running prefills, free and total pages).
+the duration of each prefill, of each stage of it (``STAGES``: where a cold TTFT goes), of
+each chunk and of each layer, and scrape-time gauges of the runner (queued and running
+prefills, free and total pages).
 
 ``PrefillMetrics(identity)`` is handed to ``PrefillRunner`` (``metrics=``); the runner calls
 ``prefilled`` once per prefill and times layers with a ``LayerTimer`` around its per-layer
@@ -13,7 +14,7 @@ layers). A disabled instance (``PrefillMetrics.disabled()``) records nothing. Th
 from __future__ import annotations
 
 import time
-from collections.abc import Container
+from collections.abc import Container, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -30,6 +31,8 @@ from runtime.metrics import (
     scrape_collector,
     weak_source,
 )
+
+STAGES = ("queue", "reuse", "compute", "push", "verdict", "store")
 
 
 class LayerTimer:
@@ -81,6 +84,10 @@ class PrefillMetrics:
         layer = family(registry, Histogram, "prefill_layer_seconds", "Compute of one layer of one chunk",
                        (*IDENTITY_LABELS, "kind"), buckets=LAYER_BUCKETS)
         self._layer_kda, self._layer_mla = layer.labels(**labels, kind="kda"), layer.labels(**labels, kind="mla")
+        stage = family(registry, Histogram, "prefill_stage_seconds",
+                       "Seconds one prefill spent in a stage: queue, reuse, compute, push, verdict, store",
+                       (*IDENTITY_LABELS, "stage"), buckets=STEP_BUCKETS)
+        self._stages = {name: stage.labels(**labels, stage=name) for name in STAGES}
 
     @classmethod
     def disabled(cls) -> PrefillMetrics:
@@ -94,6 +101,12 @@ class PrefillMetrics:
             self._computed.inc(num_computed)
             self._reused.inc(num_reused)
             self._prefill_s.observe(prefill_s)
+
+    def stages(self, seconds: Mapping[str, float]) -> None:
+        """One prefill's seconds per stage (``runner.StageClock``)."""
+        if self.enabled:
+            for name, value in seconds.items():
+                self._stages[name].observe(value)
 
     def watch(self, runner: Any) -> None:
         """Read ``runner.load()`` and its page pool at every scrape (held weakly)."""

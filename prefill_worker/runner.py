@@ -36,7 +36,7 @@ from kvstore.store import TieredStore
 from kvstore.transfer.base import TransferError
 from kvstore.transfer.frames import Kind
 from prefill_worker.blocks import payload_of_block, resume_from_blocks
-from prefill_worker.metrics import PrefillMetrics
+from prefill_worker.metrics import STAGES, PrefillMetrics
 from prefill_worker.transfers import TransferHub
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,23 @@ class PrefillJob:
     deadline_s: float
     grant: bytes = b""  # the Conductor's grant for pulling from the holder (runtime.auth.grant)
     grant_expiry_ms: int = 0
+
+
+class StageClock:
+    """Seconds one prefill spends in each stage (``prefill_worker.metrics.STAGES``): ``queue``
+    (waiting for the engine), ``reuse`` (planning, reserving and loading the reused prefix),
+    ``compute`` (the model, between layer hooks), ``push`` (handing KV frames to the sender,
+    in the hooks and after), ``verdict`` (waiting for the decode worker's receive verdict),
+    ``store`` (keeping the new blocks). ``lap(stage)`` charges the time since the last lap."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(STAGES, 0.0)
+        self._mark = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] += now - self._mark
+        self._mark = now
 
 
 @dataclass
@@ -140,12 +157,14 @@ class PrefillRunner:
                 raise ValueError(f"request {job.request_id} is already prefilling here")
             self._waiting += 1
             self._jobs[job.request_id] = (len(job.token_ids) - reused, reused, None)
+        clock = StageClock()
         try:
             with self._engine_lock:
+                clock.lap("queue")
                 with self._count_lock:
                     self._waiting -= 1
                     self._jobs[job.request_id] = (len(job.token_ids) - reused, reused, time.perf_counter())
-                return self._run_locked(job, is_cancelled)
+                return self._run_locked(job, is_cancelled, clock)
         finally:
             with self._count_lock:
                 self._jobs.pop(job.request_id, None)
@@ -170,7 +189,7 @@ class PrefillRunner:
             self.cache.check_integrity(self.store.device_pages())
 
     @torch.inference_mode()
-    def _run_locked(self, job: PrefillJob, is_cancelled: Callable[[], bool]) -> PrefillOutcome:
+    def _run_locked(self, job: PrefillJob, is_cancelled: Callable[[], bool], clock: StageClock) -> PrefillOutcome:
         t0 = time.perf_counter()
         reuse, seq, sender = Reuse(), None, None
         try:
@@ -179,11 +198,15 @@ class PrefillRunner:
             cached = resume_from_blocks(self.model, self.cache, seq, len(reuse.in_place), reuse.in_place_snapshot,
                                         reuse.loaded)
             sender = self.hub.sender(job.decode_address)
-            first = self._prefill_and_push(job, seq, cached, sender, is_cancelled)
+            clock.lap("reuse")
+            first = self._prefill_and_push(job, seq, cached, sender, is_cancelled, clock)
             sender.finish(job.request_id, self.model.cfg.num_hidden_layers, timeout_s=job.deadline_s)
+            clock.lap("verdict")
             self._store_new_blocks(job, seq, len(reuse.in_place))
+            clock.lap("store")
             prefill_s = time.perf_counter() - t0
             self.metrics.prefilled(len(job.token_ids) - cached, cached, prefill_s)
+            self.metrics.stages(clock.seconds)
             return PrefillOutcome(first, cached, prefill_s)
         except BaseException as e:
             if sender is not None:
@@ -252,21 +275,24 @@ class PrefillRunner:
 
     # ---- compute and push ---------------------------------------------------------------------
     def _prefill_and_push(self, job: PrefillJob, seq: SequenceCache, cached: int, sender,
-                          is_cancelled: Callable[[], bool]) -> int:
+                          is_cancelled: Callable[[], bool], clock: StageClock) -> int:
         cfg, rid = self.model.cfg, job.request_id
         mla_index = {layer: i for i, layer in enumerate(cfg.mla_layer_ids)}
         if cached:
             for layer, i in mla_index.items():
                 self._push_rows(sender, rid, seq, layer, i, 0, cached)
+            clock.lap("push")
 
         timer = self.metrics.layer_timer(cfg.num_hidden_layers - 1, mla_index)
 
         def on_layer(layer: int, start: int, end: int) -> None:
             timer.layer_done(layer)
+            clock.lap("compute")
             if is_cancelled():
                 raise Cancelled(f"request {rid} cancelled during prefill")
             if layer in mla_index:
                 self._push_rows(sender, rid, seq, layer, mla_index[layer], start, end)
+            clock.lap("push")
             timer.resume(layer)
 
         bs = self.cache.block_size
@@ -274,10 +300,13 @@ class PrefillRunner:
         logits = self.model.prefill(self.cache, seq, job.token_ids[cached:],
                                     snapshot_at=[p for p in points if p > cached], on_layer=on_layer)
         n = len(job.token_ids)
+        first = sample(logits, [job.params], [n])[0]
+        clock.lap("compute")
         for i, layer in enumerate(cfg.kda_layer_ids):
             sender.send(rid, layer, Kind.KDA_STATE, (0, n), self.cache.slots.state[i, seq.slot].clone())
             sender.send(rid, layer, Kind.KDA_CONV, (0, n), self.cache.slots.conv[i, seq.slot].clone())
-        return sample(logits, [job.params], [n])[0]
+        clock.lap("push")
+        return first
 
     def _push_rows(self, sender, rid: str, seq: SequenceCache, layer: int, mla_index: int,
                    start: int, end: int) -> None:
