@@ -103,6 +103,26 @@ def test_counters_agree_with_what_the_client_saw(scraped) -> None:
     assert all(len(s.terminals) == 1 for s in seen if s.outcome in ("stop", "length", "failed"))
 
 
+def test_prefill_stages_add_up_to_the_prefill(scraped) -> None:
+    """Every prefill charges its wall time to exactly one stage at a time: the stages' sums
+    make up the prefill's (to the reserve before the first lap and the response after the
+    last), and compute is most of a cold prefill here."""
+    client = scraped.client
+
+    def value(expr: str) -> float:
+        result = client.query(expr, at_s=scraped.at_s)
+        assert result, expr
+        return float(result[0]["value"][1])
+
+    stages = {s["metric"]["stage"]: float(s["value"][1])
+              for s in client.query("sum by (stage) (tidekv:prefill_stage_seconds_sum)", at_s=scraped.at_s)}
+    assert set(stages) == {"queue", "reuse", "compute", "push", "verdict", "store"}
+    prefill = value("sum(tidekv:prefill_seconds_sum)")
+    assert value("sum(tidekv:prefill_stage_seconds_count)") == 6 * value("sum(tidekv:prefill_seconds_count)")
+    assert 0.9 * prefill <= sum(stages.values()) - stages["queue"] <= prefill * 1.001
+    assert stages["compute"] > 0.5 * prefill
+
+
 def test_tenant_label_stays_bounded(scraped) -> None:
     client, seen = scraped.client, scraped.seen
     assert len({s.tenant for s in seen}) >= NUM_DISTINCT_TENANTS
