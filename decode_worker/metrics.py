@@ -13,15 +13,14 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
 
 from runtime.metrics import (
     BATCH_BUCKETS,
     IDENTITY_LABELS,
-    PREFIX,
     STEP_BUCKETS,
     Identity,
     family,
+    identity_gauges,
     scrape_collector,
     weak_source,
 )
@@ -58,7 +57,7 @@ class DecodeMetrics:
         if self.enabled:
             scrape_collector(self.registry, "decode").add(self.identity, weak_source(scheduler, self._gauges))
 
-    def _gauges(self, scheduler: Any) -> list[GaugeMetricFamily]:
+    def _gauges(self, scheduler: Any) -> list[Any]:
         assert self.identity is not None
         load = scheduler.load()
         values = (
@@ -68,10 +67,4 @@ class DecodeMetrics:
             ("decode_total_pages", "KV cache pages in the pool", scheduler.cache.pool.num_pages),
             ("decode_context_tokens", "Tokens held by running requests", load.num_context_tokens),
         )
-        out = []
-        label_values = [self.identity.worker_id, self.identity.role, self.identity.model]
-        for name, doc, value in values:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=list(IDENTITY_LABELS))
-            g.add_metric(label_values, value)
-            out.append(g)
-        return out
+        return identity_gauges(self.identity, values)

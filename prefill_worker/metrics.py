@@ -18,16 +18,15 @@ from collections.abc import Container, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
 
 from runtime.metrics import (
     IDENTITY_LABELS,
     LAYER_BUCKETS,
-    PREFIX,
     REQUEST_BUCKETS,
     STEP_BUCKETS,
     Identity,
     family,
+    identity_gauges,
     scrape_collector,
     weak_source,
 )
@@ -113,7 +112,7 @@ class PrefillMetrics:
         if self.enabled:
             scrape_collector(self.registry, "prefill").add(self.identity, weak_source(runner, self._gauges))
 
-    def _gauges(self, runner: Any) -> list[GaugeMetricFamily]:
+    def _gauges(self, runner: Any) -> list[Any]:
         assert self.identity is not None
         load = runner.load()
         values = (
@@ -122,10 +121,4 @@ class PrefillMetrics:
             ("prefill_free_pages", "Free KV cache pages of the prefill engine", load.num_free_pages),
             ("prefill_total_pages", "KV cache pages of the prefill engine", runner.cache.pool.num_pages),
         )
-        label_values = [self.identity.worker_id, self.identity.role, self.identity.model]
-        out = []
-        for name, doc, value in values:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=list(IDENTITY_LABELS))
-            g.add_metric(label_values, value)
-            out.append(g)
-        return out
+        return identity_gauges(self.identity, values)

@@ -39,6 +39,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, ThreadingWSGIServer
 
 PREFIX = "tidekv:"
@@ -193,6 +194,18 @@ def weak_source(owner: Any, read: Callable[[Any], Iterable[Any]]) -> Callable[[]
         return () if obj is None else read(obj)
 
     return source
+
+
+def identity_gauges(identity: Identity, values: Iterable[tuple[str, str, float]]) -> list[Any]:
+    """One gauge family per (name, doc, value), each with the single sample of ``identity``:
+    what a worker's scrape-time source returns."""
+    label_values = [identity.worker_id, identity.role, identity.model]
+    out = []
+    for name, doc, value in values:
+        g = GaugeMetricFamily(PREFIX + name, doc, labels=list(IDENTITY_LABELS))
+        g.add_metric(label_values, value)
+        out.append(g)
+    return out
 
 
 def observe_many(histogram: Any, values: Sequence[float]) -> None:
