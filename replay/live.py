@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,11 +115,16 @@ def _retry_after_s(e: grpc.RpcError) -> float | None:
         return None
 
 
+OnMessage = Callable[[ReplayRequest, pb.GenerateResponse], None]
+
+
 class _Sender:
     """Streams requests over one client; tracks live calls so that ``stop`` can cancel them."""
 
-    def __init__(self, client: Client, t0: float, timeout_s: float, run_tag: str, progress: Progress):
+    def __init__(self, client: Client, t0: float, timeout_s: float, run_tag: str, progress: Progress,
+                 on_message: OnMessage | None = None):
         self.client, self.t0, self.timeout_s, self.run_tag, self.progress = client, t0, timeout_s, run_tag, progress
+        self.on_message = on_message
         self.stopping = threading.Event()
         self._calls: dict[str, grpc.Call] = {}
         self._lock = threading.Lock()
@@ -162,6 +167,8 @@ class _Sender:
         try:
             for msg in call:
                 s.take(msg, self.now_s() - arrival)
+                if self.on_message is not None:
+                    self.on_message(r, msg)
             outcome, reason, error = s.outcome()
         except grpc.RpcError as e:
             code = e.code()
@@ -207,16 +214,20 @@ def _dispatch(sender: _Sender, requests: Sequence[ReplayRequest], pool: ThreadPo
 def run_live_replay(trace_requests: ScaledTrace | Sequence[ReplayRequest], endpoint: str, *,
                     max_concurrency: int = 16, out_dir: str | Path | None = None, timeout_s: float = 300.0,
                     plots: bool = True, progress: bool = True, progress_stream: TextIO | None = None,
-                    api_key: str = "", tls_ca: str = "") -> LiveResult:
+                    api_key: str = "", tls_ca: str = "", on_message: OnMessage | None = None) -> LiveResult:
     """Replays the requests against the Conductor at ``endpoint`` and returns one record per
     request (arrival order) and the summary; with ``out_dir``, writes the report there.
     Blocks until every request has ended (each call is bounded by ``timeout_s``). Ctrl-C cancels
     what is in flight, records the rest as cancelled, and still returns (and writes) the report.
     The progress line goes to ``progress_stream`` (default: the current ``sys.stderr``).
     ``api_key`` authenticates every request (gRPC metadata or the HTTP header); ``tls_ca``
-    verifies a Conductor serving TLS."""
+    verifies a Conductor serving TLS. ``on_message(request, response)`` (gRPC endpoints only)
+    sees every streamed message on its sender thread, e.g. to keep token ids, which the
+    records do not carry; it must be quick and must not raise."""
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    if on_message is not None and is_http(endpoint):
+        raise ValueError("on_message needs a gRPC endpoint: the HTTP front streams OpenAI chunks")
     scaled = trace_requests if isinstance(trace_requests, ScaledTrace) else None
     requests = sorted(scaled.requests if scaled else trace_requests, key=lambda r: r.arrival_s)
     unmaterialised = next((r.request_id for r in requests if not r.prompt_ids), None)
@@ -228,7 +239,7 @@ def run_live_replay(trace_requests: ScaledTrace | Sequence[ReplayRequest], endpo
         client = sender
     else:
         client = Client(endpoint, api_key=api_key, tls_ca=tls_ca)
-        sender = _Sender(client, time.perf_counter(), timeout_s, uuid.uuid4().hex[:8], bar)
+        sender = _Sender(client, time.perf_counter(), timeout_s, uuid.uuid4().hex[:8], bar, on_message)
     futures: list[Future | None] = [None] * len(requests)
     try:
         with ThreadPoolExecutor(max_concurrency, thread_name_prefix="replay") as pool:

@@ -5,16 +5,15 @@ prefill worker is SIGKILLed while it prefills. Every request must end with exact
 terminal outcome, every finished answer must equal ``engine.generate``'s token for token, and
 the killed workers come back (the supervisor) and leave no cache held anywhere.
 
-The replay's records carry token times, not token ids, so the test wraps the replay's
-per-stream tracker (``replay.live._Stream``) to keep each stream's ids and the decode workers
-it named; the same hook fires the decode kill from the stream it interrupts, so that kill
-always lands on in-flight work (the stream has tokens still to come). Faults are triggered by
+The replay's records carry token times, not token ids, so the test keeps each stream's ids
+and the decode workers it named through the replay's ``on_message`` hook; the same hook fires
+the decode kill from the stream it interrupts, so that kill always lands on in-flight work
+(the stream has tokens still to come). Faults are triggered by
 progress (requests finished), never by the clock; nothing here asserts how long anything took.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 import urllib.request
@@ -34,7 +33,7 @@ from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
 from replay.records import FINISHED
 from replay.traces import read_trace
-from replay.transform import TraceTransform, apply_transform
+from replay.transform import ReplayRequest, TraceTransform, apply_transform
 from tests.e2e.conftest import BLOCK, DECODE_ARGS, WORKER_ARGS
 from tests.e2e.helpers import wait_all_freed
 
@@ -53,12 +52,21 @@ RESYNC_LOG = "from the local view"
 
 
 @dataclass
+class Capture:
+    """What one stream showed: its token ids, the decode workers it named, its terminals."""
+
+    token_ids: list[int] = field(default_factory=list)
+    decode_workers: list[str] = field(default_factory=list)
+    num_terminal: int = 0
+    interrupted: bool = False
+
+
+@dataclass
 class Chaos:
     """The faults and what the streams showed; shared by the sender threads and the test."""
 
     cluster: LocalCluster
-    max_tokens: dict[int, int]  # by the trace index of each replayed request
-    streams: list[Capture] = field(default_factory=list)
+    streams: dict[int, Capture] = field(default_factory=dict)  # by the trace index of each request
     decode_armed: threading.Event = field(default_factory=threading.Event)
     decode_victim: str = ""
     decode_killed: threading.Event = field(default_factory=threading.Event)
@@ -66,15 +74,20 @@ class Chaos:
 
     def num_finished(self) -> int:
         with self.lock:
-            return sum(1 for s in self.streams if s.num_terminal)
+            return sum(1 for s in self.streams.values() if s.num_terminal)
 
-    def on_tokens(self, s: Capture) -> None:
-        """On a sender thread, after each message: kill this stream's decode worker once armed,
-        while the stream still has ``MIN_TOKENS_LEFT`` tokens to come."""
+    def on_message(self, r: ReplayRequest, msg: pb.GenerateResponse) -> None:
+        """The replay's hook, on a sender thread after each message: keep the ids and workers;
+        kill this stream's decode worker once armed, while it has ``MIN_TOKENS_LEFT`` to come."""
+        with self.lock:
+            s = self.streams.setdefault(r.index, Capture())
+        s.token_ids.extend(msg.token_ids)
+        if msg.decode_worker:
+            s.decode_workers.append(msg.decode_worker)
+        s.num_terminal += bool(msg.finish_reason)
         if not self.decode_armed.is_set() or self.decode_killed.is_set() or not s.decode_workers:
             return
-        sid = s.fields.get("server_request_id", "")  # "<run tag>-<trace index>" (replay.live)
-        if len(s.token_ids) >= 3 and self.max_tokens[int(sid.rsplit("-", 1)[1])] - len(s.token_ids) >= MIN_TOKENS_LEFT:
+        if len(s.token_ids) >= 3 and r.max_tokens - len(s.token_ids) >= MIN_TOKENS_LEFT:
             with self.lock:
                 if self.decode_killed.is_set():
                     return
@@ -82,29 +95,6 @@ class Chaos:
                 s.interrupted = True
                 self.cluster.procs[self.decode_victim].kill()  # a crash: the supervisor restarts it
                 self.decode_killed.set()
-
-
-CHAOS: Chaos | None = None  # the run in progress (set by the test, one at a time)
-
-
-class Capture(live._Stream):
-    """``replay.live``'s stream tracker, also keeping the token ids and the decode workers named."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.token_ids: list[int] = []
-        self.decode_workers: list[str] = []
-        self.interrupted = False
-        assert CHAOS is not None
-        with CHAOS.lock:
-            CHAOS.streams.append(self)
-
-    def take(self, msg: pb.GenerateResponse, now_s: float) -> None:
-        super().take(msg, now_s)
-        self.token_ids.extend(msg.token_ids)
-        if msg.decode_worker:
-            self.decode_workers.append(msg.decode_worker)
-        CHAOS.on_tokens(self)
 
 
 def wait_for(predicate, what: str, timeout_s: float = DEADLINE_S, every_s: float = 0.05):
@@ -181,21 +171,20 @@ def inject_faults(cluster: LocalCluster, chaos: Chaos, server, original: dict[st
     return victim or "prefill-0", bool(victim)
 
 
-def test_chaos_replay_with_worker_kills_and_a_redis_restart(redis_server_factory, reference, monkeypatch, tmp_path):
+def test_chaos_replay_with_worker_kills_and_a_redis_restart(redis_server_factory, reference, tmp_path):
     server = redis_server_factory()
     scaled = window()
     config = ClusterConfig(num_prefill=2, num_decode=2, index=f"redis://127.0.0.1:{server.port}",
                            prefill_args=WORKER_ARGS, decode_args=DECODE_ARGS, supervise=True,
                            restart_policy=RestartPolicy(initial_backoff_s=0.5), data_dir=str(tmp_path / "cluster"))
-    monkeypatch.setattr(live, "_Stream", Capture)
     t0 = time.monotonic()
     with LocalCluster(config) as cluster:
-        chaos = Chaos(cluster, {r.index: r.max_tokens for r in scaled.requests})
-        monkeypatch.setattr(sys.modules[__name__], "CHAOS", chaos)
+        chaos = Chaos(cluster)
         original = {w.worker_id: w.rpc_address for w in cluster.workers().workers}
         result: list[live.LiveResult] = []
         runner = threading.Thread(target=lambda: result.append(live.run_live_replay(
-            scaled, cluster.endpoint, max_concurrency=16, timeout_s=DEADLINE_S, progress=False)), name="replay")
+            scaled, cluster.endpoint, max_concurrency=16, timeout_s=DEADLINE_S, progress=False,
+            on_message=chaos.on_message)), name="replay")
         runner.start()
         try:
             prefill_victim, prefill_had_work = inject_faults(cluster, chaos, server, original, runner)
@@ -229,17 +218,16 @@ def test_chaos_replay_with_worker_kills_and_a_redis_restart(redis_server_factory
     assert sorted(r.index for r in records) == [r.index for r in scaled.requests]
     bad = [(r.request_id, r.outcome, r.status, r.error) for r in records if r.outcome != FINISHED]
     assert not bad, bad  # two workers of each role, one killed at a time: there was always a live one
-    by_server_id = {s.fields.get("server_request_id"): s for s in chaos.streams}
     prompts = {r.index: r for r in scaled.requests}
     for r in records:
-        s = by_server_id[r.server_request_id]
+        s = chaos.streams[r.index]
         assert s.num_terminal == 1 and r.finish_reason == "length", r
         assert len(s.token_ids) == r.num_output_tokens == r.max_tokens, r
         want = prompts[r.index]
         assert s.token_ids == engine.generate(reference, list(want.prompt_ids), want.max_tokens), r.request_id
 
     # The interrupted stream went on on the other decode worker, counted as a migration.
-    [cut] = [s for s in chaos.streams if s.interrupted]
+    [cut] = [s for s in chaos.streams.values() if s.interrupted]
     assert cut.decode_workers[0] == chaos.decode_victim and cut.decode_workers[-1] != chaos.decode_victim
     assert migrations >= 1 and migrations + retries >= 1
     assert crashed == sorted([chaos.decode_victim, prefill_victim])  # nothing else died
