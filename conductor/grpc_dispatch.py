@@ -39,12 +39,21 @@ _KINDS = {
 }
 
 
+# What gRPC's core says (with UNKNOWN or INTERNAL) when the worker's connection drops mid-call: the worker
+# died or was cut off, which is UNAVAILABLE for retrying, not an error of the worker's own.
+_CONNECTION_LOST = ("stream removed", "socket closed", "connection reset")
+
+
 def failure_kind(code: grpc.StatusCode | None, details: str = "") -> FailureKind:
     """The failure kind of a worker call that ended with ``code``. A transfer failure is
-    reported as UNAVAILABLE with a message saying so."""
+    reported as UNAVAILABLE with a message saying so; a connection lost mid-call counts as
+    UNAVAILABLE whatever code gRPC gave it."""
     kind = _KINDS.get(code, FailureKind.INTERNAL) if code is not None else FailureKind.INTERNAL
-    if kind is FailureKind.UNAVAILABLE and "transfer" in details.lower():
+    lowered = details.lower()
+    if kind is FailureKind.UNAVAILABLE and "transfer" in lowered:
         return FailureKind.TRANSFER
+    if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) and any(m in lowered for m in _CONNECTION_LOST):
+        return FailureKind.UNAVAILABLE
     return kind
 
 

@@ -25,6 +25,7 @@ from conductor.dispatch import (
     prefill_timeout_s,
     should_migrate,
 )
+from conductor.grpc_dispatch import failure_kind
 from conductor.lifecycle import Aborted, Refused, RequestLife
 from conductor.routing import PolicyContext, make_policy
 from conductor.snapshot import RegistryEntry
@@ -174,6 +175,17 @@ def test_only_a_stream_the_worker_broke_is_migrated_while_migrations_remain(kind
     assert should_migrate(kind, 1, 2, cancelled=False) is migratable
     assert should_migrate(kind, 2, 2, cancelled=False) is False
     assert should_migrate(kind, 0, 2, cancelled=True) is False
+
+
+@pytest.mark.parametrize(("code", "details", "kind"), [
+    (grpc.StatusCode.UNKNOWN, "Stream removed", FailureKind.UNAVAILABLE),  # the worker died mid-call
+    (grpc.StatusCode.INTERNAL, "Socket closed", FailureKind.UNAVAILABLE),
+    (grpc.StatusCode.UNAVAILABLE, "KV transfer to decode worker failed", FailureKind.TRANSFER),
+    (grpc.StatusCode.UNKNOWN, "Exception calling application: boom", FailureKind.INTERNAL),
+    (grpc.StatusCode.INTERNAL, "prefill failed: bad block", FailureKind.INTERNAL),
+])
+def test_a_connection_lost_mid_call_is_unavailable_whatever_code_grpc_gave(code, details, kind) -> None:
+    assert failure_kind(code, details) is kind
 
 
 def test_a_prefill_attempt_is_bounded_by_the_floor_or_the_predicted_ttft() -> None:
