@@ -73,9 +73,9 @@ def test_corrupted_kv_frame_is_detected_and_the_request_retried_token_exact(refe
 
 
 def test_corrupt_ssd_block_is_dropped_and_recomputed_token_exact(reference):
-    # 64 KiB of DRAM holds three plain blocks (~20 KiB) and no snapshot block (~320 KiB): the
-    # snapshot blocks go to SSD at once and older plain blocks are demoted there.
-    args = WORKER_ARGS + ("--dram-bytes", str(64 << 10))
+    # No device tier, and 64 KiB of DRAM holds three plain blocks (~20 KiB) and no snapshot block
+    # (~320 KiB): the snapshot blocks go to SSD at once and older plain blocks are demoted there.
+    args = WORKER_ARGS + ("--device-bytes", "0", "--dram-bytes", str(64 << 10))
     with LocalCluster(ClusterConfig(num_prefill=1, num_decode=1, prefill_args=args,
                                     decode_args=DECODE_ARGS)) as c:
         first = prompt(160, 6000)  # 10 blocks, snapshots after blocks 1, 3, 5, 7, 9
