@@ -9,7 +9,9 @@ side, backpressure, deadlines and the rejection of unexpected requests. Authenti
 ``test_transfer_auth.py``.
 The shm tests at the end pin the one-copy path: a destination in shareable memory is written
 directly and verified there, a corrupted direct write leaves no cache, a cancelled request's
-memory is not written after ``cancel`` returns, and peers of another user are refused. Child
+memory is not written after ``cancel`` returns, a receiver killed while a sender writes into
+its pages fails that sender, and peers of another user are refused (the contract tests check
+that shm's corrupted-chunk and killed-sender cases take the direct path too). Child
 processes are always killed at teardown, and every receiver must end with no pending request.
 """
 
@@ -199,13 +201,14 @@ def test_layerwise_transfer_lands_byte_exact(rx, spawn):
     assert torch.isnan(sink.pool[:, unused_pages]).all(), "rows landed outside the request's pages"
 
 
-def test_corrupted_chunk_fails_with_checksum_mismatch(rx, spawn):
+def test_corrupted_chunk_fails_with_checksum_mismatch(rx, spawn, backend):
     sink, expected = make_destination()
     rx.expect("req-c", sink, expected)
     peer = spawn(*_send_args(rx, "req-c", "--corrupt-seq", "2"))
     with pytest.raises(TransferError, match="checksum mismatch in MLA_ROWS request 'req-c' seq 2"):
         rx.wait_complete("req-c")
     assert "checksum mismatch" in peer.event("done")["error"]
+    assert (rx.frames_direct > 0) == (backend == "shm")  # shm: the one-copy path, verified in place
 
 
 def test_a_failed_request_id_can_be_sent_again_after_abort(rx):
@@ -245,11 +248,16 @@ def test_truncated_frame_fails_clearly(rx, spawn):
     assert "truncated" in peer.event("done")["error"]
 
 
-def test_killed_sender_fails_request_and_receiver_keeps_serving(rx, spawn):
+def test_killed_sender_fails_request_and_receiver_keeps_serving(rx, spawn, backend):
     sink, expected = make_destination()
     rx.expect("req-k", sink, expected)
     peer = spawn(*_send_args(rx, "req-k", "--scenario", "hold"))
     peer.event("ready")
+    if backend == "shm":  # killed while writing into our pages (counted once the receiver reads the header)
+        until = time.monotonic() + 10
+        while rx.frames_direct == 0 and time.monotonic() < until:
+            time.sleep(0.01)
+    assert (rx.frames_direct > 0) == (backend == "shm")
     peer.kill()
     with pytest.raises(TransferError, match="peer connection lost"):
         rx.wait_complete("req-k")
@@ -509,6 +517,23 @@ def test_cancel_returns_only_when_the_sender_writes_nothing_more(spawn):
     finally:
         rx.check_integrity()
         rx.close()
+
+
+def test_killed_receiver_fails_a_sender_writing_into_its_pages(spawn):
+    """The receiver dies after the sender wrote chunks straight into its pool: whatever the
+    sender still writes lands in memory it maps (no crash), and its verdict is a TransferError."""
+    receiver = spawn("receive", "--backend", "shm", "--rids", "req-rd", "--announce-layer", str(LAYOUT.mla_layers[0]))
+    tx = connect(receiver.event("listening")["address"], TransferConfig(deadline_s=10.0))
+    try:
+        data = source(5)
+        send_chunks(tx, "req-rd", data, LAYOUT.chunks)
+        assert receiver.event("layer")["frames_direct"] > 0
+        receiver.kill()
+        with pytest.raises(TransferError, match="connection|lost|closed"):
+            send_states(tx, "req-rd", data)
+            tx.finish("req-rd", LAYOUT.num_units)
+    finally:
+        tx.close()
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to start a peer of another user")

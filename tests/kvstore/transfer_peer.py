@@ -2,9 +2,11 @@
 
 ``send`` mode connects to a receiver and pushes one request of the shared layout built from a
 seed; it imports no torch, so it starts fast. ``receive`` mode (imports torch) listens, expects
-the given requests into a page pool behind an optionally slow sink and reports a digest of
-what landed. Both take ``--auth-key HEX`` (``TransferConfig.auth_key``). Every report is one
-JSON line on stdout.
+the given requests into a page pool (behind a slow sink with ``--sink-delay-s``, which shm
+reaches through its ring; without one, shm senders write into the pool directly) and reports
+a digest of what landed; ``--announce-layer L`` also reports (event "layer") once layer L of
+a request has landed, with the receiver's count of direct frames. Both take ``--auth-key HEX``
+(``TransferConfig.auth_key``). Every report is one JSON line on stdout.
 
 ``make_destination`` builds the page pool in shareable memory by default, as a decode worker's
 cache is, so shm senders write into it directly; ``shared=False`` keeps it private (the ring).
@@ -199,11 +201,14 @@ def run_receive(args: argparse.Namespace) -> None:
     for rid in args.rids.split(","):
         sink, expected = make_destination()
         sinks[rid] = sink
-        rx.expect(rid, SlowSink(sink, args.sink_delay_s), expected)
+        rx.expect(rid, SlowSink(sink, args.sink_delay_s) if args.sink_delay_s else sink, expected)
     emit(event="listening", address=rx.address)
 
     def wait(rid: str) -> None:
         try:
+            if args.announce_layer is not None:
+                rx.wait_layer(rid, args.announce_layer)
+                emit(event="layer", rid=rid, frames_direct=rx.frames_direct)
             rx.wait_complete(rid)
             emit(event="result", rid=rid, error=None, digest=digest(received(sinks[rid])))
         except TransferError as exc:
@@ -237,6 +242,7 @@ def main() -> None:
     receive.add_argument("--rids", required=True)
     receive.add_argument("--sink-delay-s", type=float, default=0.0)
     receive.add_argument("--deadline-s", type=float, default=20.0)
+    receive.add_argument("--announce-layer", type=int, help="report when this layer of a request has landed")
     receive.add_argument("--auth-key", default="", help="TransferConfig.auth_key, hex")
     args = parser.parse_args()
     run_send(args) if args.mode == "send" else run_receive(args)
