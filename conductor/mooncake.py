@@ -29,7 +29,7 @@ predicted excess. All times come from the calibrated ``CostModels``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from conductor.routing import (
     ClusterSnapshot,
@@ -48,6 +48,7 @@ from conductor.routing import (
     best_holder,
     capped_usable,
     fitting_decode,
+    max_reuse_blocks,
     register_policy,
 )
 from costmodel import CostModels
@@ -56,9 +57,10 @@ from kvstore.blocks import Tier
 MIN_RETRY_S = 0.5
 
 
-@dataclass(frozen=True)
-class PrefillOption:
-    """One way to prefill the request on one worker, with its predicted times."""
+class PrefillOption(NamedTuple):
+    """One way to prefill the request on one worker, with its predicted times. A named tuple
+    (immutable like a frozen dataclass, built in a fraction of its time: a decision weighs
+    up to two per prefill worker)."""
 
     worker: WorkerView
     reuse: ReusePlan
@@ -90,25 +92,34 @@ def num_holders(snapshot: ClusterSnapshot, request: RouteRequest, num_blocks: in
 
 def prefill_options(snapshot: ClusterSnapshot, request: RouteRequest, costs: CostModels,
                     config) -> list[PrefillOption]:
-    """Every (worker, local or pull) option of Algorithm 1, in snapshot order."""
+    """Every (worker, local or pull) option of Algorithm 1, in snapshot order. What every
+    worker's pull shares (the prefix, its prefill time before the worker's speed factor, its
+    transfer time per backend) is predicted once."""
     n, bs = request.num_prompt_tokens, request.block_size
+    cap = max_reuse_blocks(request)
     best = best_holder(snapshot.prefill, request)
     best_blocks = capped_usable(best, request) if best is not None else 0
     may_replicate = (config.pull_from_peers and best_blocks > 0
                      and num_holders(snapshot, request, best_blocks) < config.max_replicas)
+    if may_replicate:
+        assert best is not None
+        pull_plan = ReusePlan(best_blocks, best.worker_id)
+        pull_prefill_s = costs.prefill_s(n - best_blocks * bs, best_blocks * bs)
+        pull_tier = best.usable_tier if best.usable_tier is not None else Tier.DRAM
+        pull_s_of: dict[str, float] = {}  # by the puller's transfer backend
     options = []
     for w in snapshot.prefill:
-        local = capped_usable(w, request)
+        local = min(w.usable_blocks, cap)
         wait = queue_s(w, costs)
         branch = RouteBranch.LOCAL if local else RouteBranch.COLD
         options.append(PrefillOption(w, ReusePlan(local, None), branch, wait, 0.0,
                                      costs.prefill_s(n - local * bs, local * bs) * w.slowdown))
-        if (best is not None and best.worker_id != w.worker_id and may_replicate
-                and best_blocks > config.balancing_threshold * local):
-            pull = costs.pull_s(best_blocks * bs, 1, backend=w.transfer_backend,
-                                tier=best.usable_tier if best.usable_tier is not None else Tier.DRAM)
-            options.append(PrefillOption(w, ReusePlan(best_blocks, best.worker_id), RouteBranch.PULL, wait, pull,
-                                         costs.prefill_s(n - best_blocks * bs, best_blocks * bs) * w.slowdown))
+        if may_replicate and best.worker_id != w.worker_id and best_blocks > config.balancing_threshold * local:
+            backend = w.transfer_backend
+            if backend not in pull_s_of:
+                pull_s_of[backend] = costs.pull_s(best_blocks * bs, 1, backend=backend, tier=pull_tier)
+            options.append(PrefillOption(w, pull_plan, RouteBranch.PULL, wait, pull_s_of[backend],
+                                         pull_prefill_s * w.slowdown))
     return options
 
 
@@ -130,6 +141,25 @@ def choose_prefill(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cost
                          best_pull.transfer_s, best_pull.prefill_s)
 
 
+def _staying(worker: WorkerView, request: RouteRequest, costs: CostModels, at_s: float) -> tuple[int, int]:
+    """Batch size and context tokens on ``worker`` ``at_s`` seconds from now, before anyone
+    joins: running requests this Conductor does not know, the known running ones that have
+    not generated their remaining tokens by then, and this request."""
+    running = [j for j in worker.decode_jobs if j.decoding]
+    other = max(0, worker.num_running - len(running))
+    other_tokens = max(0, worker.num_context_tokens - sum(j.num_tokens for j in running))
+    step_s = costs.decode_step_s(max(1, worker.num_running), worker.num_context_tokens)
+    staying = [j for j in running if j.num_remaining_tokens * step_s > at_s]
+    return other + len(staying) + 1, other_tokens + sum(j.num_tokens for j in staying) + request.num_prompt_tokens
+
+
+def _joining(worker: WorkerView, now_s: float, until_s: float) -> tuple[int, int]:
+    """Requests (and their tokens) this Conductor knows in prefill for ``worker`` that join
+    its batch within ``until_s`` seconds."""
+    joining = [j.num_tokens for j in worker.decode_jobs if not j.decoding and j.ready_in_s(now_s) <= until_s]
+    return len(joining), sum(joining)
+
+
 def tbt_after_join(worker: WorkerView, request: RouteRequest, costs: CostModels, at_s: float | None,
                    now_s: float = 0.0, until_s: float | None = None) -> float:
     """Predicted decode step time on ``worker`` once this request has joined.
@@ -140,19 +170,22 @@ def tbt_after_join(worker: WorkerView, request: RouteRequest, costs: CostModels,
     ``at_s``) have joined; running requests this Conductor does not know (another
     Conductor's) stay. With ``until_s`` the end of this request's decode, that is the largest
     batch it will share while it decodes, as far as this Conductor knows now."""
-    n = request.num_prompt_tokens
-    running = [j for j in worker.decode_jobs if j.decoding]
-    other = max(0, worker.num_running - len(running))
-    other_tokens = max(0, worker.num_context_tokens - sum(j.num_tokens for j in running))
     if at_s is None:
-        return costs.decode_step_s(worker.num_running + 1, worker.num_context_tokens + n)
-    until_s = at_s if until_s is None else until_s
-    step_s = costs.decode_step_s(max(1, worker.num_running), worker.num_context_tokens)
-    staying = [j for j in running if j.num_remaining_tokens * step_s > at_s]
-    joining = [j for j in worker.decode_jobs if not j.decoding and j.ready_in_s(now_s) <= until_s]
-    batch = other + len(staying) + len(joining) + 1
-    tokens = other_tokens + sum(j.num_tokens for j in staying + joining) + n
-    return costs.decode_step_s(batch, tokens)
+        return costs.decode_step_s(worker.num_running + 1, worker.num_context_tokens + request.num_prompt_tokens)
+    batch, tokens = _staying(worker, request, costs, at_s)
+    num_joining, joining_tokens = _joining(worker, now_s, at_s if until_s is None else until_s)
+    return costs.decode_step_s(batch + num_joining, tokens + joining_tokens)
+
+
+def _tbt_while_decoding(worker: WorkerView, request: RouteRequest, costs: CostModels, ttft_s: float,
+                        now_s: float) -> float:
+    """``tbt_after_join`` at ``ttft_s`` until the end of this request's decode (its max tokens
+    at the step time on joining); the two predictions share everything but who joins."""
+    batch, tokens = _staying(worker, request, costs, ttft_s)
+    num_joining, joining_tokens = _joining(worker, now_s, ttft_s)
+    first_s = costs.decode_step_s(batch + num_joining, tokens + joining_tokens)
+    num_joining, joining_tokens = _joining(worker, now_s, ttft_s + request.max_tokens * first_s)
+    return costs.decode_step_s(batch + num_joining, tokens + joining_tokens)
 
 
 def _retry_hint_s(worker: WorkerView, costs: CostModels, now_s: float) -> float:
@@ -169,8 +202,7 @@ def _decode_choice(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cost
     def predicted(w: WorkerView) -> float:
         if mode == "early":
             return tbt_after_join(w, request, costs, None)
-        first = tbt_after_join(w, request, costs, ttft_s, snapshot.time_s)
-        return tbt_after_join(w, request, costs, ttft_s, snapshot.time_s, ttft_s + request.max_tokens * first)
+        return _tbt_while_decoding(w, request, costs, ttft_s, snapshot.time_s)
 
     scored = [(predicted(w), -w.num_free_pages, w.worker_id, w) for w in fitting_decode(snapshot, request)]
     tbt, _, _, worker = min(scored, key=lambda t: t[:3])

@@ -7,8 +7,9 @@ herd onto the same worker. The Conductor records a request here when it routes i
 records are kept for ``finished_ttl_s`` so a heartbeat sent before they finished is not
 trusted about them (``conductor.snapshot`` merges the two).
 
-Records are grouped by worker, and each worker's group is frozen into a tuple only when it
-changed since the last ``view()``, so a view costs O(workers), not O(requests in flight).
+Records are grouped by worker, and each worker's group is frozen (a tuple; finished records a
+dict by request id) only when it changed since the last ``view()``, so a view costs O(workers)
+plus the groups that changed (every token a stream receives changes its decode worker's).
 Thread-safe (one lock); time is given by the caller (the Conductor's injected clock).
 """
 
@@ -21,6 +22,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from conductor.routing import DecodeJob, RouteDecision, RouteRequest, decode_need_pages
+from kvstore.index import PrefillJobLoad
+
+# Groups frozen from another group's records (thawed with it).
+_DERIVED = {"on_decode": "decode_jobs", "in_prefill": "prefill_jobs"}
 
 
 @dataclass(frozen=True)
@@ -48,9 +53,18 @@ class PendingRequest:
     def decoding(self) -> bool:
         return self.decode_started_at_s < math.inf
 
+    def prefill_job(self) -> PrefillJobLoad:
+        """This request as a queued job of its prefill worker (not started, as far as known)."""
+        return PrefillJobLoad(self.request_id, self.num_new_tokens, self.num_reused_tokens)
+
     def decode_job(self) -> DecodeJob:
-        return DecodeJob(self.request_id, self.num_prompt_tokens + self.num_generated,
-                         max(0, self.max_tokens - self.num_generated), self.decoding, self.ready_at_s)
+        """This request as its decode worker's job, built like ``_with`` builds records: a
+        view rebuilds one per streaming request of every decode worker whose streams moved."""
+        job = object.__new__(DecodeJob)
+        job.__dict__.update(request_id=self.request_id, num_tokens=self.num_prompt_tokens + self.num_generated,
+                            num_remaining_tokens=max(0, self.max_tokens - self.num_generated),
+                            decoding=self.decoding, ready_at_s=self.ready_at_s)
+        return job
 
 
 def _with(record: PendingRequest, **changes: float | int) -> PendingRequest:
@@ -65,10 +79,13 @@ class PendingView:
     """A frozen copy for one snapshot, by worker id (absent: nothing there)."""
 
     in_prefill: Mapping[str, tuple[PendingRequest, ...]] = field(default_factory=dict)  # by prefill worker
+    prefill_jobs: Mapping[str, tuple[PrefillJobLoad, ...]] = field(default_factory=dict)  # the same, as jobs
     left_prefill: Mapping[str, frozenset[str]] = field(default_factory=dict)  # prefill done or request ended
     on_decode: Mapping[str, tuple[PendingRequest, ...]] = field(default_factory=dict)  # live, by decode worker
     decode_jobs: Mapping[str, tuple[DecodeJob, ...]] = field(default_factory=dict)  # the same, as DecodeJobs
-    ended_on_decode: Mapping[str, tuple[PendingRequest, ...]] = field(default_factory=dict)  # finished lately
+    # Finished lately, by decode worker and request id (a snapshot looks up the few requests a
+    # heartbeat lists: there may be thousands, every request of the last ``finished_ttl_s``).
+    ended_on_decode: Mapping[str, Mapping[str, PendingRequest]] = field(default_factory=dict)
 
 
 class PendingWork:
@@ -83,17 +100,19 @@ class PendingWork:
         self._lock = threading.Lock()
 
     # ---- grouping (under the lock) ------------------------------------------------------------
+    def _thaw(self, group: str, worker: str) -> None:
+        self._frozen.pop((group, worker), None)
+        derived = _DERIVED.get(group)
+        if derived is not None:
+            self._frozen.pop((derived, worker), None)
+
     def _put(self, group: str, worker: str, record: PendingRequest) -> None:
         self._groups[group][worker][record.request_id] = record
-        self._frozen.pop((group, worker), None)
-        if group == "on_decode":
-            self._frozen.pop(("decode_jobs", worker), None)
+        self._thaw(group, worker)
 
     def _drop(self, group: str, worker: str, request_id: str) -> None:
         if self._groups[group][worker].pop(request_id, None) is not None:
-            self._frozen.pop((group, worker), None)
-            if group == "on_decode":
-                self._frozen.pop(("decode_jobs", worker), None)
+            self._thaw(group, worker)
 
     def _mark_left(self, worker: str, request_id: str, delta: int) -> None:
         refs = self._left[worker]
@@ -163,8 +182,12 @@ class PendingWork:
         if key not in self._frozen:
             if group == "decode_jobs":
                 value = tuple(r.decode_job() for r in self._groups["on_decode"][worker].values())
+            elif group == "prefill_jobs":
+                value = tuple(r.prefill_job() for r in self._groups["in_prefill"][worker].values())
             elif group == "left_prefill":
                 value = frozenset(self._left[worker])
+            elif group == "ended_on_decode":
+                value = dict(self._groups[group][worker])
             else:
                 value = tuple(self._groups[group][worker].values())
             self._frozen[key] = value
@@ -177,6 +200,7 @@ class PendingWork:
 
             return PendingView(
                 in_prefill=by_worker("in_prefill", self._groups["in_prefill"]),
+                prefill_jobs=by_worker("prefill_jobs", self._groups["in_prefill"]),
                 left_prefill=by_worker("left_prefill", self._left),
                 on_decode=by_worker("on_decode", self._groups["on_decode"]),
                 decode_jobs=by_worker("decode_jobs", self._groups["on_decode"]),

@@ -102,7 +102,7 @@ class WorkerView:
     slowdown: float = 1.0  # prefill only: observed / predicted prefill time lately (conductor.speed)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.role, WorkerRole):
+        if type(self.role) is not WorkerRole:
             object.__setattr__(self, "role", WorkerRole(self.role))
         if min(self.num_free_pages, self.num_running, self.num_queued, self.num_context_tokens,
                self.usable_blocks) < 0:
@@ -111,7 +111,7 @@ class WorkerView:
                       "usable_blocks": self.usable_blocks}
             negative = {name: value for name, value in counts.items() if value < 0}
             raise ValueError(f"worker {self.worker_id!r}: negative counts {negative}")
-        if self.usable_tier is not None:
+        if self.usable_tier is not None and type(self.usable_tier) is not Tier:
             object.__setattr__(self, "usable_tier", Tier(self.usable_tier))
 
     @property

@@ -16,6 +16,8 @@ theirs back. Exactly one source counts each request, so nothing is double counte
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -23,6 +25,20 @@ from conductor.dispatch import request_of
 from conductor.pending import PendingView
 from conductor.routing import ClusterSnapshot, WorkerView
 from kvstore.index import MatchSnapshot, PrefillJobLoad, WorkerLoad, WorkerRole
+
+_VIEW_DEFAULTS = {f.name: f.default for f in dataclasses.fields(WorkerView) if f.default is not dataclasses.MISSING}
+
+
+def _view(**fields: object) -> WorkerView:
+    """``WorkerView(**fields)`` without the frozen dataclass's per-field ``__setattr__`` and
+    ``__post_init__`` (a snapshot makes one per worker per decision, three times faster this
+    way): its counts come from validated loads or are clamped at 0, its role and tier are
+    already enums; the assert re-checks the counts."""
+    view = object.__new__(WorkerView)
+    view.__dict__.update(_VIEW_DEFAULTS, **fields)
+    assert min(view.num_free_pages, view.num_running, view.num_queued, view.num_context_tokens,
+               view.usable_blocks) >= 0, view
+    return view
 
 
 @dataclass(frozen=True)
@@ -39,40 +55,50 @@ class RegistryEntry:
 
 def _prefill_jobs(entry: RegistryEntry, pending: PendingView) -> tuple[PrefillJobLoad, ...]:
     w = entry.worker_id
+    own = pending.prefill_jobs.get(w, ())
+    if not entry.load.prefill_jobs:
+        return own  # the heartbeat lists nothing: every job known is this Conductor's
     left = pending.left_prefill.get(w, frozenset())
     jobs = [PrefillJobLoad(j.request_id, j.num_new_tokens, j.num_reused_tokens,
                            j.elapsed_s + entry.load_age_s if j.elapsed_s > 0 else 0.0)
             for j in entry.load.prefill_jobs if request_of(j.request_id) not in left]
-    own = pending.in_prefill.get(w, ())
     if own:
         listed = {request_of(j.request_id) for j in entry.load.prefill_jobs}
-        jobs += [PrefillJobLoad(r.request_id, r.num_new_tokens, r.num_reused_tokens)
-                 for r in own if r.request_id not in listed]
+        jobs += [j for j in own if j.request_id not in listed]
     return tuple(jobs)
+
+
+@functools.lru_cache(maxsize=256)
+def _requests_of(placement_ids: tuple[str, ...]) -> frozenset[str]:
+    """The requests a heartbeat lists (cached: a heartbeat's list is read by every decision
+    until the next one, and hashing the tuple is far cheaper than parsing its ids)."""
+    return frozenset(map(request_of, placement_ids))
 
 
 def _decode_view(entry: RegistryEntry, pending: PendingView) -> WorkerView:
     w, load = entry.worker_id, entry.load
-    listed = {request_of(r) for r in load.request_ids}
+    listed = _requests_of(load.request_ids)
     own = pending.on_decode.get(w, ())
-    own_ids = {r.request_id for r in own}
     free, queued, running, context = load.num_free_pages, load.num_queued, load.num_running, load.num_context_tokens
     for r in own:
         if r.request_id not in listed:
             free -= r.num_pages
             queued += 1
-    for r in pending.ended_on_decode.get(w, ()):
-        if r.request_id in listed and r.request_id not in own_ids:
+    ended = pending.ended_on_decode.get(w, {})
+    still_listed = [ended[r] for r in listed if r in ended] if listed and ended else []
+    own_ids = {r.request_id for r in own} if still_listed else set()
+    for r in still_listed:
+        if r.request_id not in own_ids:
             free += r.num_pages
             if r.decoding:
                 running -= 1
                 context -= r.num_prompt_tokens + r.num_generated
             else:
                 queued -= 1
-    return WorkerView(
-        w, WorkerRole.DECODE, entry.rpc_address, entry.transfer_address, num_free_pages=max(0, free),
-        num_running=max(0, running), num_queued=max(0, queued), num_context_tokens=max(0, context),
-        decode_jobs=pending.decode_jobs.get(w, ()),
+    return _view(
+        worker_id=w, role=WorkerRole.DECODE, rpc_address=entry.rpc_address, transfer_address=entry.transfer_address,
+        num_free_pages=max(0, free), num_running=max(0, running), num_queued=max(0, queued),
+        num_context_tokens=max(0, context), decode_jobs=pending.decode_jobs.get(w, ()),
     )
 
 
@@ -82,17 +108,18 @@ def build_snapshot(registry: Sequence[RegistryEntry], matches: MatchSnapshot | N
     """The snapshot for one request (``matches``: the index's answer for its keys, or None;
     ``slowdown``: each prefill worker's observed/predicted prefill time, default 1)."""
     slowdown = slowdown or {}
+    by_worker = {m.worker_id: m for m in matches.matches} if matches is not None else {}
     prefill, decode = [], []
     for entry in registry:
         if entry.role is WorkerRole.DECODE:
             decode.append(_decode_view(entry, pending))
             continue
-        m = matches.get(entry.worker_id) if matches is not None else None
+        m = by_worker.get(entry.worker_id)
         usable = m.num_blocks_usable if m is not None else 0
-        prefill.append(WorkerView(
-            entry.worker_id, WorkerRole.PREFILL, entry.rpc_address, entry.transfer_address,
-            num_free_pages=entry.load.num_free_pages, num_running=entry.load.num_running,
-            prefill_jobs=_prefill_jobs(entry, pending), usable_blocks=usable,
+        prefill.append(_view(
+            worker_id=entry.worker_id, role=WorkerRole.PREFILL, rpc_address=entry.rpc_address,
+            transfer_address=entry.transfer_address, num_free_pages=entry.load.num_free_pages,
+            num_running=entry.load.num_running, prefill_jobs=_prefill_jobs(entry, pending), usable_blocks=usable,
             usable_tier=m.slowest_usable_tier if usable else None, slowdown=slowdown.get(entry.worker_id, 1.0),
         ))
     return ClusterSnapshot(tuple(prefill), tuple(decode), now_s, prefix_rate_per_s)

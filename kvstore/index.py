@@ -32,6 +32,8 @@ from collections.abc import Sequence
 
 from kvstore.blocks import KEY_BYTES, BlockKey, Tier
 
+_SLOWEST_FIRST = tuple((t, int(t)) for t in sorted(Tier, reverse=True))
+
 
 class IndexUnavailable(RuntimeError):
     """The index backend (Redis) cannot be reached within the retry budget."""
@@ -56,6 +58,13 @@ def check_key(key: BlockKey) -> None:
     """Raise ``ValueError`` unless ``key`` is a ``KEY_BYTES``-long ``bytes``."""
     if not isinstance(key, bytes) or len(key) != KEY_BYTES:
         raise ValueError(f"block key must be {KEY_BYTES} bytes, got {key!r}")
+
+
+def check_keys(keys: Sequence[BlockKey]) -> None:
+    """``check_key`` of every key; the common case (all valid) runs in C."""
+    if set(map(type, keys)) - {bytes} or set(map(len, keys)) - {KEY_BYTES}:
+        for key in keys:
+            check_key(key)  # raises, naming the bad key
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -159,20 +168,28 @@ class WorkerLoad:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WorkerMatch:
-    """How much of a key sequence one worker holds; ``tiers[i]`` is the tier of ``keys[i]``."""
+    """How much of a key sequence one worker holds. ``tiers[i]`` is the ``Tier`` value of
+    ``keys[i]`` as one byte (a 1,000-block match is one ``bytes``, not 1,000 objects); any
+    sequence of tiers given is stored that way, so ``WorkerMatch(w, 2, 2, (DRAM, SSD))`` equals
+    the index's answer and ``tiers[i] == Tier.SSD`` holds (``Tier`` is an ``IntEnum``)."""
 
     worker_id: str
     num_blocks_present: int
     num_blocks_usable: int
-    tiers: tuple[Tier, ...]
+    tiers: bytes
 
     def __post_init__(self) -> None:
+        if type(self.tiers) is not bytes:
+            object.__setattr__(self, "tiers", bytes(self.tiers))
         assert 0 <= self.num_blocks_usable <= self.num_blocks_present == len(self.tiers), self
 
     @property
     def slowest_usable_tier(self) -> Tier | None:
         """The slowest tier within the usable prefix, or None when nothing is usable."""
-        return max(self.tiers[: self.num_blocks_usable], default=None)
+        for tier, value in _SLOWEST_FIRST:
+            if self.tiers.find(value, 0, self.num_blocks_usable) >= 0:
+                return tier
+        return None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ to a dead or hung server returns within about ``retry_budget_s`` plus one socket
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -53,12 +54,13 @@ from kvstore.index import (
     WorkerLoad,
     WorkerMatch,
     WorkerRole,
-    check_key,
+    check_keys,
 )
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 assert max(Tier) < 10, "the scripts encode a tier as one decimal digit"
+_TIER_OF_DIGIT = bytes.maketrans(b"0123456789", bytes(range(10)))  # b"1" -> Tier.DRAM's byte
 
 # Shared Lua prelude. purge(w): drop every block entry of worker w (ARGV[1] is the namespace).
 _PRELUDE = """
@@ -91,33 +93,34 @@ end
 return num_applied
 """
 
-# ARGV: ns, key hex... Returns (worker, num usable, tier digits of the held prefix) per alive worker.
+# ARGV: ns, the keys' hex concatenated (32 characters each). Returns, per alive worker, its id
+# and the "<tier>:<snap>" values of its held prefix concatenated (3 characters a block). One
+# HMGET per key asks only the workers whose prefix is still open; the scan ends when none is.
 _MATCH = """
-local order, open, usable, tiers = {}, {}, {}, {}
+local order, held = {}, {}
 for _, w in ipairs(redis.call('SMEMBERS', ns .. ':workers')) do
-  if alive(w) then order[#order + 1] = w; open[w] = true; usable[w] = 0; tiers[w] = {} end
+  if alive(w) then order[#order + 1] = w; held[#order] = {} end
 end
-local num_open = #order
-for i = 2, #ARGV do
-  if num_open == 0 then break end
-  local flat, held = redis.call('HGETALL', ns .. ':blk:' .. ARGV[i]), {}
-  for j = 1, #flat, 2 do held[flat[j]] = flat[j + 1] end
-  for _, w in ipairs(order) do
-    if open[w] then
-      local v = held[w]
-      if v == nil then
-        open[w] = false; num_open = num_open - 1
-      else
-        local t = tiers[w]; t[#t + 1] = string.sub(v, 1, 1)
-        if string.sub(v, 3, 3) == '1' then usable[w] = #t end
-      end
+local open, names = {}, {}
+for j = 1, #order do open[j] = j; names[j] = order[j] end
+local hexs, blk = ARGV[2], ns .. ':blk:'
+for i = 1, #hexs, 32 do
+  if #open == 0 then break end
+  local values, closed = redis.call('HMGET', blk .. string.sub(hexs, i, i + 31), unpack(names)), false
+  for j = 1, #open do
+    local v = values[j]
+    if v then local h = held[open[j]]; h[#h + 1] = v else closed = true end
+  end
+  if closed then
+    local still, still_names = {}, {}
+    for j = 1, #open do
+      if values[j] then still[#still + 1] = open[j]; still_names[#still_names + 1] = names[j] end
     end
+    open, names = still, still_names
   end
 end
 local out = {}
-for _, w in ipairs(order) do
-  out[#out + 1] = w; out[#out + 1] = usable[w]; out[#out + 1] = table.concat(tiers[w])
-end
+for j = 1, #order do out[#out + 1] = order[j]; out[#out + 1] = table.concat(held[j]) end
 return out
 """
 
@@ -269,14 +272,13 @@ class RedisIndex(GlobalIndex):
         return num_applied
 
     def match(self, keys: Sequence[BlockKey]) -> MatchSnapshot:
-        for key in keys:
-            check_key(key)
-        flat = self._call(lambda: self._eval("match", [self.namespace, *(k.hex() for k in keys)]))
+        check_keys(keys)
+        flat = self._call(lambda: self._eval("match", [self.namespace, b"".join(keys).hex()]))
         matches = []
-        for i in range(0, len(flat), 3):
-            worker_id, num_usable, digits = flat[i], int(flat[i + 1]), flat[i + 2]
-            tiers = tuple(Tier(int(d)) for d in digits)
-            matches.append(WorkerMatch(worker_id, len(tiers), num_usable, tiers))
+        for i in range(0, len(flat), 2):
+            values = flat[i + 1].encode()  # "<tier>:<snap>" per block: tiers at 0::3, snapshots at 2::3
+            tiers = values[0::3].translate(_TIER_OF_DIGIT)
+            matches.append(WorkerMatch(flat[i], len(tiers), values[2::3].rfind(b"1") + 1, tiers))
         return MatchSnapshot(len(keys), tuple(sorted(matches, key=lambda m: m.worker_id)))
 
     def register(self, worker: WorkerInfo) -> bool:
@@ -290,7 +292,7 @@ class RedisIndex(GlobalIndex):
     def workers(self) -> list[tuple[WorkerInfo, WorkerLoad]]:
         flat = self._call(lambda: self._eval("workers", [self.namespace]))
         pairs = [
-            (_info_from_json(flat[i]), WorkerLoad.from_dict(json.loads(flat[i + 1]))) for i in range(0, len(flat), 2)
+            (_info_from_json(flat[i]), _load_from_json(flat[i + 1])) for i in range(0, len(flat), 2)
         ]
         return sorted(pairs, key=lambda pair: pair[0].worker_id)
 
@@ -357,6 +359,14 @@ def _to_json(value: WorkerInfo | WorkerLoad) -> str:
     return json.dumps(dataclasses.asdict(value), sort_keys=True)
 
 
+# Parsed values by their JSON text (frozen, so shared safely): every routing decision reads
+# every worker's info and load, which change only at registration and with each heartbeat.
+@functools.lru_cache(maxsize=1024)
 def _info_from_json(text: str) -> WorkerInfo:
     fields = json.loads(text)
     return WorkerInfo(**{**fields, "role": WorkerRole(fields["role"])})
+
+
+@functools.lru_cache(maxsize=1024)
+def _load_from_json(text: str) -> WorkerLoad:
+    return WorkerLoad.from_dict(json.loads(text))

@@ -3,6 +3,7 @@ pending overlay, a burst spreading within one heartbeat, the retry rule, and the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 
@@ -117,6 +118,8 @@ def test_heartbeat_jobs_and_own_pending_are_each_counted_once() -> None:
     assert d.num_free_pages == 100 - need + need and d.num_queued == 2 - 1 + 1
     assert {j.request_id for j in d.decode_jobs} == {"seen", "new"}
     assert not any(j.decoding for j in d.decode_jobs)  # both still in prefill
+    for view in snap.prefill + snap.decode:  # built without __init__, equal to a checked one
+        assert dataclasses.replace(view) == view
 
 
 def test_a_rejection_is_not_recorded_as_pending() -> None:

@@ -156,6 +156,22 @@ def test_early_and_predictive_admission_differ_on_the_same_snapshot() -> None:
     assert isinstance(policy(admission_mode="none")(s, req), RouteDecision)
 
 
+def test_predictive_tbt_covers_requests_joining_while_this_one_decodes() -> None:
+    # This request reaches decode at ttft = 1.001 s. "soon" (ready at 0.5 s) has joined by then:
+    # 2 in the batch, 14 ms a step, so its 10 tokens take until 1.141 s; "late" (1.05 s) joins
+    # within that, "later" (2.0 s) does not: the prediction is the 3-request batch, 16 ms.
+    jobs = (DecodeJob("soon", 100, 10, False, 0.5), DecodeJob("late", 100, 10, False, 1.05),
+            DecodeJob("later", 100, 10, False, 2.0))
+    d, req = decode("d", jobs=jobs), request()
+    decision = policy()(snap([prefill("p")], [d]), req)
+    assert isinstance(decision, RouteDecision) and decision.predicted.ttft_s == pytest.approx(1.001)
+    ttft = decision.predicted.ttft_s
+    first = tbt_after_join(d, req, COSTS, ttft)
+    assert first == pytest.approx(0.014)
+    assert decision.predicted.tbt_s == tbt_after_join(d, req, COSTS, ttft, 0.0, ttft + req.max_tokens * first)
+    assert decision.predicted.tbt_s == pytest.approx(0.016)
+
+
 @pytest.mark.parametrize(("slo_s", "rejected"), [(1.0, True), (1.0011, False), (2.0, False)])
 def test_a_request_that_cannot_meet_its_ttft_slo_is_rejected(slo_s: float, rejected: bool) -> None:
     # cold prefill of 1001 tokens on an idle worker: 1.001 s

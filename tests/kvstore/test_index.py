@@ -3,13 +3,15 @@ backend with an injected clock. Redis-only behaviour is in test_index_redis.py."
 
 from __future__ import annotations
 
+import random
 import threading
 from typing import TYPE_CHECKING
 
 import pytest
 import redis
 
-from kvstore.blocks import Tier
+from kvstore.blocks import Tier, chain_keys
+from kvstore.hitrule import match_blocks
 from kvstore.index import (
     BlockEvent,
     MatchSnapshot,
@@ -178,6 +180,11 @@ def test_invalid_inputs_raise_value_error(harness: Harness) -> None:
     index = harness.make()
     with pytest.raises(ValueError, match="16 bytes"):
         index.match([b"short"])
+    index.register(info("w1"))
+    index.apply([stored("w1", 0)])
+    for bad in (bytearray(16), "x" * 16, b"y" * 17):  # after a key the index holds, too
+        with pytest.raises(ValueError, match="16 bytes"):
+            index.match([KEYS[0], bad])
     with pytest.raises(ValueError, match="16 bytes"):
         BlockEvent.stored("w1", b"x" * 15, Tier.DRAM)
     with pytest.raises(ValueError, match="tier"):
@@ -188,6 +195,53 @@ def test_invalid_inputs_raise_value_error(harness: Harness) -> None:
         WorkerLoad(num_queued=-1)
     with pytest.raises(ValueError, match="negative"):
         PrefillJobLoad("r", -1)
+
+
+def _hit_rule_match(holdings: dict[str, dict[bytes, tuple[Tier, bool]]], alive: list[str],
+                    keys: list[bytes]) -> MatchSnapshot:
+    """What ``match`` must answer, from the hybrid hit rule over each worker's holdings."""
+    matches = []
+    for worker_id in sorted(alive):
+        held = holdings.get(worker_id, {})
+        tiers = [held[k][0] if k in held else None for k in keys]
+        result = match_blocks(tiers, [k in held and held[k][1] for k in keys])
+        present = result.num_present_blocks
+        matches.append(WorkerMatch(worker_id, present, result.num_blocks, tuple(tiers[:present])))
+    return MatchSnapshot(len(keys), tuple(matches))
+
+
+def test_match_follows_the_hit_rule_on_random_holdings(harness: Harness) -> None:
+    # 20 workers (more than a memory row's first 16 slots) storing, moving and dropping blocks
+    # of one 12-key chain, some of them removed and registered again; every match, of the chain,
+    # of its slices and of keys out of order, is what the hit rule says of what each holds.
+    rng = random.Random(7)
+    keys = chain_keys(list(range(48)), block_size=4, model_fingerprint="random-holdings")
+    index = harness.make()
+    workers = [f"w{i:02d}" for i in range(20)]
+    holdings: dict[str, dict[bytes, tuple[Tier, bool]]] = {w: {} for w in workers}
+    for worker_id in workers:
+        index.register(info(worker_id))
+    for round_ in range(12):
+        events = []
+        for _ in range(40):
+            worker_id, key = rng.choice(workers), rng.choice(keys[: rng.randint(1, len(keys))])
+            if rng.random() < 0.8:
+                tier, snap = rng.choice(list(Tier)), rng.random() < 0.4
+                events.append(BlockEvent.stored(worker_id, key, tier, snap))
+                holdings[worker_id][key] = (tier, snap)
+            else:
+                events.append(BlockEvent.removed(worker_id, key))
+                holdings[worker_id].pop(key, None)
+        assert index.apply(events) == len(events)
+        if round_ % 4 == 3:  # a worker leaves with its blocks; another comes back empty
+            gone = rng.choice(workers)
+            index.remove(gone)
+            holdings[gone] = {}
+            index.register(info(gone))
+        shuffled = rng.sample(keys, len(keys))
+        for query in (keys, keys[: rng.randint(0, len(keys))], keys[rng.randint(1, 6):], shuffled):
+            assert index.match(query) == _hit_rule_match(holdings, workers, query)
+    check(index)
 
 
 # --- memory mechanism: exact lease arithmetic, integrity, threads ------------------------
@@ -265,3 +319,40 @@ def test_memory_index_is_consistent_under_concurrent_threads() -> None:
         thread.join()
     index.check_integrity()
     assert {m.worker_id for m in index.match(KEYS).matches} == set(workers)
+
+
+def test_worker_match_keeps_tiers_as_bytes() -> None:
+    match = WorkerMatch("w1", 3, 2, (S, D, M))
+    assert match.tiers == bytes([S, D, M]) and match.tiers[0] == S
+    assert match == WorkerMatch("w1", 3, 2, bytes([2, 0, 1]))
+    assert match.slowest_usable_tier is S
+    assert WorkerMatch("w1", 3, 2, (M, D, S)).slowest_usable_tier is M  # the SSD block is not usable
+    assert WorkerMatch("w1", 2, 0, (S, S)).slowest_usable_tier is None
+
+
+def test_memory_rows_widen_past_16_workers_and_free_slots_are_reused() -> None:
+    index = MemoryIndex(clock=FakeClock())
+    workers = [f"w{i:02d}" for i in range(40)]
+    for worker_id in workers:
+        index.register(info(worker_id))
+    for i, worker_id in enumerate(workers):  # w_i holds keys[0 : i % 8 + 1], a snapshot at the end
+        depth = i % 8 + 1
+        index.apply([stored(worker_id, j, Tier(i % 3), snap=j == depth - 1) for j in range(depth)])
+    index.check_integrity()
+    assert index._width == 64  # 16 -> 32 -> 64
+    snapshot = index.match(KEYS)
+    assert [m.num_blocks_usable for m in snapshot.matches] == [i % 8 + 1 for i in range(40)]
+    assert snapshot.get("w10") == WorkerMatch("w10", 3, 3, (M, M, M))
+    for worker_id in workers[:20]:
+        index.remove(worker_id)
+    index.apply([stored("w38", 0, D)])  # moves its first block (of 7 on SSD) to DEVICE
+    index.register(info("new"))
+    index.apply([stored("new", 0, M, snap=True)])
+    index.check_integrity()
+    assert index._width == 64 and index._slots["new"] < 20  # took a slot the removed workers freed
+    assert index.match(KEYS[:2]).get("new") == WorkerMatch("new", 1, 1, (M,))
+    assert index.match(KEYS).get("w38") == WorkerMatch("w38", 7, 7, (D,) + (S,) * 6)
+    for worker_id in [*workers[20:], "new"]:
+        index.remove(worker_id)
+    index.check_integrity()
+    assert index._rows == {} and index.stored_events() == []
