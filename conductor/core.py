@@ -19,7 +19,7 @@ from conductor.clock import Clock
 from conductor.config import SLOTable
 from conductor.heat import PrefixHeat
 from conductor.pending import PendingWork
-from conductor.routing import ClusterSnapshot, Policy, Rejection, RejectKind, RouteDecision, RouteRequest
+from conductor.routing import ClusterSnapshot, Policy, Rejection, RejectKind, RouteDecision, RouteRequest, WorkerView
 from conductor.snapshot import RegistryEntry, build_snapshot
 from conductor.speed import WorkerSpeed
 from kvstore.blocks import BlockKey, chain_keys
@@ -80,16 +80,18 @@ class ConductorCore:
         # One decision at a time: a request must see the overlay of the one routed just before it.
         self._lock = threading.Lock()
 
-    def route(self, facts: RequestFacts, avoid: frozenset[str] = frozenset()) -> Routed:
-        """Decide for ``facts``; workers in ``avoid`` are left out while others of their role
-        remain. An accepted decision is recorded in the pending overlay."""
+    def route(self, facts: RequestFacts, avoid: Sequence[str] = ()) -> Routed:
+        """Decide for ``facts``; workers in ``avoid`` (the one that failed longest ago first)
+        are left out. When that leaves no worker of a role, the ones that failed longest ago
+        are allowed again first (``_without``). An accepted decision is recorded in the
+        pending overlay."""
         fp, bs = self.cluster.model_fingerprint, self.cluster.block_size
         if fp is None or bs is None:
             return Routed(Rejection("no workers registered yet", RETRY_NOT_READY_S, RejectKind.NO_WORKERS),
                           None, (), None)
         keys = facts.block_keys
         if keys is None:
-            keys = tuple(chain_keys(list(facts.prompt_ids), bs, fp, facts.tenant))
+            keys = tuple(chain_keys(facts.prompt_ids, bs, fp, facts.tenant))
         slo = self.slos.resolve(facts.tenant, facts.ttft_slo_s, facts.tbt_slo_s)
         request = RouteRequest(facts.request_id, facts.seq, facts.prompt_len, len(keys), facts.max_tokens, bs,
                                slo.ttft_s, slo.tbt_s)
@@ -100,12 +102,20 @@ class ConductorCore:
             registry = self.cluster.registry_view(self.clock.wall())
             snapshot = build_snapshot(registry, matches, self.pending.view(), now_s, rate, self.speed.factors())
             if avoid:
-                snapshot = ClusterSnapshot(
-                    tuple(w for w in snapshot.prefill if w.worker_id not in avoid) or snapshot.prefill,
-                    tuple(w for w in snapshot.decode if w.worker_id not in avoid) or snapshot.decode,
-                    snapshot.time_s, snapshot.prefix_rate_per_s,
-                )
+                snapshot = ClusterSnapshot(_without(snapshot.prefill, avoid), _without(snapshot.decode, avoid),
+                                           snapshot.time_s, snapshot.prefix_rate_per_s)
             outcome = self.policy(snapshot, request)
             if isinstance(outcome, RouteDecision):
                 self.pending.route(request, outcome, now_s)
         return Routed(outcome, request, keys, snapshot)
+
+
+def _without(workers: tuple[WorkerView, ...], avoid: Sequence[str]) -> tuple[WorkerView, ...]:
+    """``workers`` minus ``avoid``; when that leaves none, minus only the most recent entries
+    of ``avoid`` that leave some (all of ``workers`` when every entry must go)."""
+    for oldest_allowed in range(len(avoid) + 1):
+        recent = set(avoid[oldest_allowed:])
+        left = tuple(w for w in workers if w.worker_id not in recent)
+        if left:
+            return left
+    return workers

@@ -217,7 +217,7 @@ class RequestLife:
         """Route, reserve and prefill ``facts``, again elsewhere while ``should_retry`` allows;
         (decision, result), or None after a terminal message. ``loss``: what a migration
         replaces (tokens were sent), named first in the error of a FAILED terminal."""
-        avoid = set(self._lost)
+        avoid = list(self._lost)  # the workers to route around, the one that failed longest ago first
         why = str(loss) if loss is not None else ""
         attempt = 0
         while True:
@@ -246,19 +246,22 @@ class RequestLife:
                 THROTTLED.log(logging.WARNING, "retry", "request %s: %s; retrying elsewhere (attempt %d of %d)",
                               self.request_id, e, attempt + 1, self.max_attempts)
                 self.metrics.retried(e.kind.value)
-                avoid.update((routed.prefill_worker, routed.decode_worker))
+                # Blame the worker the call failed on; a failed KV push, either end.
+                blamed = ((routed.prefill_worker, routed.decode_worker) if e.kind is FailureKind.TRANSFER
+                          else (e.worker_id,))
+                avoid = [w for w in avoid if w not in blamed] + list(blamed)
                 continue
             self._prefilled(routed, result)
             return routed, result
 
-    def _route(self, facts: RequestFacts, avoid: set[str]) -> tuple[RouteDecision | Rejection, tuple[bytes, ...]]:
+    def _route(self, facts: RequestFacts, avoid: list[str]) -> tuple[RouteDecision | Rejection, tuple[bytes, ...]]:
         """The core's decision and the prompt's block keys, or a rejection while migrating;
         before any token a rejection raises ``Refused``, and a decision whose predicted TTFT is
         past the deadline raises DEADLINE_EXCEEDED (``_deadline``)."""
         if self._left_s() <= 0:
             raise self._deadline(f"{self._deadline_name} ({self.deadline_s:g} s) passed before routing",
                                  at_routing=True)
-        routed = self.core.route(facts, frozenset(avoid))
+        routed = self.core.route(facts, tuple(avoid))
         self.t.routed = self.clock.now()
         outcome = routed.outcome
         self.metrics.routed(outcome.branch.value if isinstance(outcome, RouteDecision) else "rejected")

@@ -14,7 +14,7 @@ import pytest
 import engine
 from conductor.clock import ManualClock
 from conductor.config import SLO, ConductorConfig, SLOTable
-from conductor.core import ConductorCore
+from conductor.core import ConductorCore, _without
 from conductor.dispatch import (
     STALL_SLACK,
     DecodeChunk,
@@ -27,8 +27,9 @@ from conductor.dispatch import (
 )
 from conductor.grpc_dispatch import failure_kind
 from conductor.lifecycle import Aborted, Refused, RequestLife
+from conductor.pending import PendingWork
 from conductor.routing import PolicyContext, make_policy
-from conductor.snapshot import RegistryEntry
+from conductor.snapshot import RegistryEntry, build_snapshot
 from conductor.validation import ValidRequest
 from costmodel import CostModels
 from engine.sampler import SamplingParams
@@ -71,6 +72,7 @@ class ScriptedDispatcher:
         self.clock = clock
         self.dead: set[str] = set()
         self.hung: set[str] = set()
+        self.fail_once: dict[str, FailureKind] = {}  # prefill worker -> the failure of its next prefill
         self.break_after: dict[str, int] = {}
         self.before_finish: set[str] = set()
         self.prefills: list[tuple[str, PrefillCall]] = []
@@ -91,6 +93,8 @@ class ScriptedDispatcher:
         self.prefills.append((prefill_worker, call))
         if self.on_prefill is not None and self.on_prefill(len(self.prefills) - 1):
             raise DispatchError(FailureKind.CANCELLED, prefill_worker, "prefill cancelled")
+        if prefill_worker in self.fail_once:
+            raise DispatchError(self.fail_once.pop(prefill_worker), prefill_worker, "scripted failure")
         if prefill_worker in self.hung:
             assert call.timeout_s < call.deadline_s, "a hung worker must be bounded before the deadline"
             self.clock.advance(call.timeout_s)
@@ -142,11 +146,11 @@ class Harness:
         self._seq = 0
 
     def life(self, prompt: list[int], max_tokens: int, stop: tuple[int, ...] = (), deadline_s: float = 60.0,
-             client_deadline_s: float | None = None) -> RequestLife:
+             client_deadline_s: float | None = None, max_attempts: int = 2) -> RequestLife:
         params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=stop)
         req = ValidRequest(tuple(prompt), params, deadline_s, "")
         seq, self._seq = self._seq, self._seq + 1  # round robin: request 0 goes to p0 and d0
-        return RequestLife(self.core, self.dispatcher, self.tokenizer, req, f"r{seq}", seq, 2,
+        return RequestLife(self.core, self.dispatcher, self.tokenizer, req, f"r{seq}", seq, max_attempts,
                            max_migrations=self.max_migrations, prefill_timeout_s=self.prefill_timeout_s,
                            client_deadline_s=client_deadline_s)
 
@@ -186,6 +190,29 @@ def test_only_a_stream_the_worker_broke_is_migrated_while_migrations_remain(kind
 ])
 def test_a_connection_lost_mid_call_is_unavailable_whatever_code_grpc_gave(code, details, kind) -> None:
     assert failure_kind(code, details) is kind
+
+
+def test_without_leaves_out_the_most_recent_failures_first() -> None:
+    ws = tuple(static_cluster(("p0", "p1", "p2")).registry_view(0.0))
+    views = build_snapshot(ws, None, PendingWork().view(), 0.0).prefill
+    names = lambda avoid: [w.worker_id for w in _without(views, avoid)]  # noqa: E731
+    assert names(()) == ["p0", "p1", "p2"]
+    assert names(("p1", "d0")) == ["p0", "p2"]
+    assert names(("p0", "p1", "p2")) == ["p0"]  # p0 failed longest ago: allowed again first
+    assert names(("p2", "d0", "p0", "p1")) == ["p2"]
+
+
+def test_a_third_attempt_returns_to_the_worker_that_failed_longest_ago() -> None:
+    """A failed KV push blames both ends; a prefill worker that stalls only itself. With both
+    prefill workers failed, the third attempt goes back to the earlier one, and keeps away
+    from the decode worker the push failed to."""
+    h = Harness(prefill_timeout_s=1.0)
+    h.dispatcher.fail_once["p0"] = FailureKind.TRANSFER
+    h.dispatcher.hung.add("p1")
+    msgs = h.run(h.life(PROMPT, 4, max_attempts=3))
+    assert tokens(msgs) == reference(PROMPT, 4)
+    assert [w for w, _ in h.dispatcher.prefills] == ["p0", "p1", "p0"]
+    assert h.dispatcher.reserved_ever[-1][0] == "d1"
 
 
 def test_a_prefill_attempt_is_bounded_by_the_floor_or_the_predicted_ttft() -> None:

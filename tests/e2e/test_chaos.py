@@ -174,7 +174,10 @@ def inject_faults(cluster: LocalCluster, chaos: Chaos, server, original: dict[st
 def test_chaos_replay_with_worker_kills_and_a_redis_restart(redis_server_factory, reference, tmp_path):
     server = redis_server_factory()
     scaled = window()
+    # One request can meet both kills (its first prefill's push to the killed decode worker, its
+    # retry on the killed prefill worker): three tries, one more than the faults it can meet.
     config = ClusterConfig(num_prefill=2, num_decode=2, index=f"redis://127.0.0.1:{server.port}",
+                           conductor_args=("--max-prefill-attempts", "3"),
                            prefill_args=WORKER_ARGS, decode_args=DECODE_ARGS, supervise=True,
                            restart_policy=RestartPolicy(initial_backoff_s=0.5), data_dir=str(tmp_path / "cluster"))
     t0 = time.monotonic()
