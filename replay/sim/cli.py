@@ -38,6 +38,8 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
                                                      "(default: the built-in estimate for tiny on CPU)")
     p.add_argument("--overheads", default="", help="what the live cluster adds to the calibrated engine "
                                                    "(`python -m replay.sim.fit` on a live replay; default none)")
+    p.add_argument("--device-bytes", type=int, default=PrefillConfig.device_bytes,
+                   help="device tier (the engine's page pool) per prefill worker; 0: none")
     p.add_argument("--dram-bytes", type=int, default=PrefillConfig.dram_bytes, help="DRAM tier per prefill worker")
     p.add_argument("--ssd-bytes", type=int, default=PrefillConfig.ssd_bytes, help="SSD tier per prefill worker")
     p.add_argument("--eviction", default="lru")
@@ -71,8 +73,8 @@ def sim_config(args: argparse.Namespace, **override) -> SimConfig:
     conductor = ConductorConfig(policy=v["policy"], admission_mode=v["admission_mode"],
                                 pull_from_peers=not v["no_pull"], max_running=v["max_running"],
                                 max_queued=v["max_queued"])
-    prefill = PrefillConfig(dram_bytes=v["dram_bytes"], ssd_bytes=v["ssd_bytes"], eviction=v["eviction"],
-                            snapshot_interval_blocks=v["snapshot_interval_blocks"])
+    prefill = PrefillConfig(device_bytes=v["device_bytes"], dram_bytes=v["dram_bytes"], ssd_bytes=v["ssd_bytes"],
+                            eviction=v["eviction"], snapshot_interval_blocks=v["snapshot_interval_blocks"])
     decode = DecodeConfig(num_pages=v["decode_pages"], num_slots=v["decode_slots"], max_batch=v["max_batch"])
     overheads = ClusterOverheads.load(v["overheads"]) if v.get("overheads") else ClusterOverheads()
     return SimConfig(int(v["prefill"]), int(v["decode"]), conductor, prefill, decode, overheads=overheads)

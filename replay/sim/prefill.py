@@ -1,6 +1,6 @@
 """A modelled prefill worker: one prefill at a time in arrival order, as the live runner does,
-over a real ``Placement`` of sized blocks (DRAM and SSD capacities in bytes, the configured
-eviction policy, demotion and promotion) whose every change is published to the index.
+over a real ``Placement`` of sized blocks (device, DRAM and SSD capacities in bytes, the
+configured eviction policy, demotion and promotion) whose every change is published to the index.
 
 A job's reuse follows the live runner (``prefill_worker.runner``): at its start it takes the
 planned leading blocks from the holder (a pull, kept here: a replica) or from its own store,
@@ -58,7 +58,12 @@ class SimPrefill:
         self.block_size = config.block_size
         self.snapshots = SnapshotPolicy(config.snapshot_interval_blocks)
         tiers = {Tier.DRAM: SizedTier(Tier.DRAM, config.dram_bytes), Tier.SSD: SizedTier(Tier.SSD, config.ssd_bytes)}
-        self.store = Placement(tiers, config.eviction, Tier.DRAM, on_event=self._publish)
+        if config.device_bytes:
+            tiers[Tier.DEVICE] = SizedTier(Tier.DEVICE, config.device_bytes)
+        # New blocks land in the fastest tier, and a reused block moves up there, as the live
+        # worker keeps the pages a prefill computed or loaded them into (its device tier).
+        self.top = min(tiers)
+        self.store = Placement(tiers, config.eviction, self.top, on_event=self._publish)
         self.queue: deque[SimPrefillJob] = deque()
         self.running: SimPrefillJob | None = None
         self.num_busy_s = 0.0
@@ -128,7 +133,7 @@ class SimPrefill:
                 num_snapshots = sum(b.has_snapshot for b in pulled)
                 pull_s = self.costs.pull_s(len(keys) * self.block_size, num_snapshots, self.backend, tier)
                 for key, blob in zip(keys, pulled, strict=True):
-                    self.store.put(key, blob, blob.has_snapshot, Tier.DRAM)
+                    self.store.put(key, blob, blob.has_snapshot, self.top)
                 found = pulled
                 job.pulled = True
         if not found:
@@ -148,7 +153,7 @@ class SimPrefill:
         points = set(self.snapshots.snapshot_points(num_full))
         for i in range(job.num_reused_tokens // self.block_size, num_full):
             snap = i in points
-            self.store.put(job.keys[i], self._blob(snap), snap, Tier.DRAM)
+            self.store.put(job.keys[i], self._blob(snap), snap, self.top)
         self._flush_events()
         self.on_done(job)
         self._start_next()

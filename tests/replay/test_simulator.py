@@ -66,8 +66,8 @@ def lru_reference(capacity_blocks: float) -> float:
 def one_worker(dram_blocks: float) -> SimResult:
     # Prefills of ~15 microseconds at a hundredth of the trace's rate: requests never overlap,
     # so "seen before" means "stored before", as in the reference.
-    config = SimConfig(1, 1, UNBOUNDED, PrefillConfig(dram_bytes=int(dram_blocks * BLOCK_BYTES), ssd_bytes=0,
-                                                      snapshot_interval_blocks=1), BIG_DECODE)
+    config = SimConfig(1, 1, UNBOUNDED, PrefillConfig(device_bytes=0, dram_bytes=int(dram_blocks * BLOCK_BYTES),
+                                                      ssd_bytes=0, snapshot_interval_blocks=1), BIG_DECODE)
     return simulate(scaled(0.01), config, costs(1e-9))
 
 
