@@ -11,9 +11,14 @@ carry over from the first to the second window in both.
 
 Prints one JSON object (progress on stderr): live and simulated TTFT p50/p90 and TBT p50/p90 of
 each window, their ratio and relative error (goal: within 15%; Vidur reports under 9% on real
-GPUs), and the overheads with how they were obtained. ``--keep DIR`` keeps the calibration and
-the reports; ``--reuse DIR`` simulates again against a kept live run (no cluster, no
-calibration). Run it on a quiet machine: the live cluster shares its cores with everything.
+GPUs), and the overheads with how they were obtained. ``between_windows`` puts the two fits
+side by side on the same work (every back-to-back prefill of both windows, timed by each
+window's prefill fit; the two decode step scales): a ratio away from 1 means the live cluster
+ran at another speed in one window than in the other, which a fit on the other window cannot
+know, so it bounds what the judge can show. ``host_load_1m`` is the host's load average
+before and after the live run. ``--keep DIR`` keeps the calibration, the reports and the load;
+``--reuse DIR`` simulates again against a kept live run (no cluster, no calibration). Run it on
+a quiet machine: the live cluster shares its cores with everything.
 
 Usage: python -m bench.fidelity [--quick] [--requests 80] [--rate-scale 1.0] [--keep DIR | --reuse DIR]
 """
@@ -36,7 +41,7 @@ from decode_worker.config import DecodeConfig
 from prefill_worker.config import PrefillConfig
 from replay.records import RequestRecord, read_records
 from replay.report import write_report
-from replay.sim.fit import fit_overheads
+from replay.sim.fit import OverheadFit, fit_overheads, prefill_observations
 from replay.sim.run import SimConfig, simulate
 from replay.summary import summarize
 from replay.traces import read_trace
@@ -79,11 +84,40 @@ def run_live(transform: TraceTransform, calibration: Path, out_dir: Path) -> lis
                                     progress=False).records)
 
 
+def calibrate_and_run_live(transform: TraceTransform, calibration: Path, grid: str,
+                           work: Path) -> tuple[list[RequestRecord], dict]:
+    """A calibration, then the live run, and the host's load average around it (kept in ``work``)."""
+    calibrate(calibration, grid)
+    load = {"before_live": os.getloadavg()[0]}
+    live = run_live(transform, calibration, work / "live")
+    load["after_live"] = os.getloadavg()[0]
+    (work / "host_load.json").write_text(json.dumps(load) + "\n")
+    return live, load
+
+
+def kept_live(work: Path) -> tuple[list[RequestRecord], dict | None]:
+    """The live records of a kept run and its load (None when it was kept without one)."""
+    load_file = work / "host_load.json"
+    return (read_records(work / "live" / "requests.jsonl"),
+            json.loads(load_file.read_text()) if load_file.exists() else None)
+
+
 def run_sim(transform: TraceTransform, costs: CostModels, overheads: ClusterOverheads) -> list[RequestRecord]:
     prefill = PrefillConfig(block_size=BLOCK, snapshot_interval_blocks=SNAPSHOT_EVERY, num_pages=PREFILL_PAGES)
     config = SimConfig(1, 1, ConductorConfig(), prefill, DecodeConfig(block_size=BLOCK, num_pages=DECODE_PAGES),
                        overheads=overheads)
     return list(simulate(apply_transform(read_trace(TRACE), transform, materialise=False), config, costs).records)
+
+
+def between_windows(live: list[RequestRecord], fits: dict[str, OverheadFit], costs: CostModels) -> dict:
+    """The two windows' fits on the same work (see the module docstring): second / first."""
+    work = prefill_observations(live)
+    first, second = (fits[w].overheads for w in ("first", "second"))
+    total = {name: sum(o.live_prefill(costs).prefill_s(n, p) for n, p, _ in work)
+             for name, o in (("first", first), ("second", second))}
+    return {"num_prefills": len(work),
+            "prefill_time_ratio": total["second"] / total["first"] if total["first"] else None,
+            "decode_step_scale_ratio": second.decode_step_scale / first.decode_step_scale}
 
 
 def figures(records: list[RequestRecord]) -> dict[str, float | int | None]:
@@ -121,21 +155,18 @@ def main() -> None:
     work = Path(args.reuse or args.keep or tempfile.mkdtemp(prefix="tidekv-fidelity-"))
     work.mkdir(parents=True, exist_ok=True)
     calibration = work / "calibration.json"
-    if args.reuse:
-        live = read_records(work / "live" / "requests.jsonl")
-    else:
-        calibrate(calibration, "smoke" if args.quick else "quick")
-        live = run_live(transform, calibration, work / "live")
+    live, load = (kept_live(work) if args.reuse else
+                  calibrate_and_run_live(transform, calibration, "smoke" if args.quick else "quick", work))
     costs = CostModels.load(calibration)
     log("fitting and simulating")
     windows = {"first": first, "second": second}
     baseline = run_sim(transform, costs, NO_OVERHEADS)
+    fits = {name: fit_overheads([r for r in live if r.index in w], costs,
+                                source=f"replay.sim.fit on the live records of requests {w.start}..{w.stop} only")
+            for name, w in windows.items()}
     folds = {}
     for fit_name, check_name in (("first", "second"), ("second", "first")):
-        fit_window, check_window = windows[fit_name], windows[check_name]
-        fit = fit_overheads([r for r in live if r.index in fit_window], costs,
-                            source=f"replay.sim.fit on the live records of requests {fit_window.start}.."
-                                   f"{fit_window.stop} only")
+        fit_window, check_window, fit = windows[fit_name], windows[check_name], fits[fit_name]
         sim = run_sim(transform, costs, fit.overheads)
         if args.keep and fit_name == "first":
             write_report(work / "sim", sim, summarize(sim), plots=False)
@@ -152,9 +183,12 @@ def main() -> None:
                  f"block {BLOCK}, 1 prefill + 1 decode worker",
         "calibration": {"grid": costs.info.grid, "how": "tidekv calibrate on this machine before the live run"},
         "how_overheads_were_obtained": "fitted on the live per-request records of one window (replay.sim.fit: "
-                                       "back-to-back first-token gaps for the prefill terms, token gaps for the "
-                                       "decode terms), judged on the other window's requests",
+                                       "back-to-back first-token gaps for the prefill terms, token gaps against "
+                                       "the calibrated step and the events in them for the decode terms), judged "
+                                       "on the other window's requests",
         "folds": folds,
+        "between_windows": between_windows(live, fits, costs),
+        "host_load_1m": load,
         "calibrated_engine_only": {name: compare(live, baseline, w) for name, w in windows.items()},
         "goal_abs_relative_error": GOAL, "reports": str(work) if args.keep or args.reuse else None,
     }

@@ -19,6 +19,19 @@ the live Conductor does. Where each term lies in a request's life::
     hops, decode worker -> Conductor -> client, each a Python process sharing the cores);
     a stream is in order, so a token never overtakes the one before it.
 
+The decode loop also loses time to the work other requests cause around it, there and then
+(the step in progress ends that much later), because on one host (``tidekv up``) every
+process shares the same cores and the decode worker's handlers share its interpreter:
+
+- ``decode_stall_s_per_prefill``, on the request's decode worker when its prefill ends: the
+  Conductor takes the Prefill response (the first token to the client, the index events)
+  and calls Decode, and the decode worker gives its verdict on the pushed KV and takes the
+  Decode call. It stretches the step in progress; an idle loop loses nothing, its
+  next step being that request's own, after its join;
+- ``decode_stall_s_per_arrival``, on every decode worker when a request arrives: the client
+  builds and sends it, the Conductor parses, validates (every prompt token id) and admits it
+  (a fit on a cluster whose Conductor and clients have cores of their own finds about 0).
+
 ``ClusterOverheads()`` (``NO_OVERHEADS``) adds nothing: the simulator is then the calibrated
 engine alone. The values come from a live replay (``replay.sim.fit.fit_overheads``), fitted
 on one window of requests and checked on another (``bench/fidelity.py``). Pure, no numpy.
@@ -37,7 +50,8 @@ from costmodel.model import PREFILL_TERMS, CostModels
 
 FORMAT_NAME = "tidekv-overheads"
 FORMAT_VERSION = 1
-_SECONDS = ("dispatch_s", "decode_stall_s_per_reused_token")
+_SECONDS = ("dispatch_s", "decode_stall_s_per_reused_token", "decode_stall_s_per_prefill",
+            "decode_stall_s_per_arrival")
 _QUANTILES = ("decode_join_quantiles_s", "delivery_delay_quantiles_s")
 
 
@@ -56,6 +70,8 @@ class ClusterOverheads:
     decode_join_quantiles_s: tuple[float, ...] = ()
     decode_step_scale: float = 1.0
     decode_stall_s_per_reused_token: float = 0.0
+    decode_stall_s_per_prefill: float = 0.0
+    decode_stall_s_per_arrival: float = 0.0
     delivery_delay_quantiles_s: tuple[float, ...] = ()
     source: str = "none"
     num_fit_requests: int = 0

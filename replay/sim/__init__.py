@@ -13,8 +13,9 @@ What is real here and what is modelled:
   between the moments the batch changes, not per token per request;
 - modelled, when given: what the live cluster adds to those times
   (``costmodel.overheads.ClusterOverheads``: RPCs, the live worker's prefill time, the decode
-  join, step slowdown, stalls of the KV push, token delivery), fitted by ``fit`` from a live
-  replay's records.
+  join, step slowdown, the decode loop's stalls for the KV push and for the work other
+  requests' arrivals and prefill ends cause on the shared cores, token delivery), fitted by
+  ``fit`` from a live replay's records.
 
 ``run.simulate(scaled_trace, config, costs)`` returns the same ``RequestRecord``s and
 ``Summary`` as the live replay (``source="simulated"``), so ``tidekv report compare`` puts a

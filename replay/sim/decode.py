@@ -12,11 +12,19 @@ request that arrives mid-segment joins at the end of the step in progress::
                                  ^ waits until b, when the batch is re-formed
 
 ``stall(s)`` costs the loop ``s`` from now (a live decode worker's loop shares its process
-with the receiver taking a prefill's pushed KV): the step in progress ends ``s`` later, and an
-idle loop starts its next step ``s`` later. A token made at the end of a step reaches the
-client ``delivery_delay_s(u)`` later, ``u`` drawn from the worker's seeded generator
-(``ClusterOverheads``; no delay and no draw by default), and never before the request's
-previous token: a stream is in order.
+with the receiver taking a prefill's pushed KV and with the RPC handlers, and its cores with
+the host's other processes): the steps made so far keep their times, and the step in
+progress and the rest of the segment end ``s`` later with the same batch, so a request
+waiting to join still waits for the step in progress; an idle loop starts its next step
+``s`` later (unless the stall is work only a running step waits for)::
+
+    before:  |-- step --|-- st.|.ep --|-- step --|
+                         stall ^
+    after:   |-- step --|-- st.|<- s ->|.ep --|-- step --|
+
+A token made at the end of a step reaches the client ``delivery_delay_s(u)`` later, ``u``
+drawn from the worker's seeded generator (``ClusterOverheads``; no delay and no draw by
+default), and never before the request's previous token: a stream is in order.
 """
 
 from __future__ import annotations
@@ -66,9 +74,8 @@ class SimDecode:
         self.running: list[SimDecodeRequest] = []
         self._segment: tuple[float, float, int] | None = None  # (start, step_s, steps)
         self._generation = 0
-        self._rebatch_at: float | None = None
+        self._cut_steps: int | None = None  # a join re-forms the batch after this many of the segment's steps
         self._paused_until = 0.0  # no step starts before this
-        self._resume_from_s: float | None = None  # a stalled step's clock: the next segment starts here
         self._resume_at: float | None = None  # a scheduled _form_batch at the pause's end
 
     @property
@@ -104,31 +111,44 @@ class SimDecode:
         else:
             self._cut()
 
-    def stall(self, seconds: float) -> None:
-        """The loop loses ``seconds`` from now: the step in progress ends that much later (its
-        progress so far kept), or, with no step running, the next one starts that much later."""
+    def stall(self, seconds: float, when_idle: bool = True) -> None:
+        """The loop loses ``seconds`` from now: the steps made so far keep their times and the
+        rest of the segment, the step in progress included, ends that much later with the same
+        batch; with no step running, the next one starts that much later (not with
+        ``when_idle=False``: work that only the steps in progress wait for)."""
         if seconds <= 0:
             return
         now = self.loop.now
-        if self._segment is None:
+        if self._segment is not None:
+            start, step_s, steps = self._segment
+            # now < start only after an earlier stall, while the segment's first step is in progress
+            done = max(0, math.floor((now - start) / step_s))
+            if done < steps:
+                self._advance(start, step_s, done)
+                self._segment = (start + done * step_s + seconds, step_s, steps - done)
+                self._schedule_end(None if self._cut_steps is None else self._cut_steps - done)
+                return
+        # Idle, or the segment's last step is over (its end is due now): the next step waits.
+        if when_idle:
             self._paused_until = max(self._paused_until, now) + seconds
-            return
-        start, step_s, steps = self._segment
-        done = max(0, min(steps, math.floor((now - start) / step_s)))
-        self._generation += 1  # the planned segment end (or re-batching) no longer applies
-        self._resume_from_s = start + done * step_s + seconds
-        self._end_segment(self._generation, done)
 
     def _cut(self) -> None:
         """Ends the running segment at the end of the step in progress (see the module docstring)."""
-        start, step_s, steps = self._segment
-        if self._rebatch_at is not None:
+        if self._cut_steps is not None:
             return
-        done = max(0, min(steps, math.floor((self.loop.now - start) / step_s) + 1))
+        start, step_s, steps = self._segment
+        # At least one step: before the segment's start (a stalled one) its first step is in progress.
+        done = min(steps, max(1, math.floor((self.loop.now - start) / step_s) + 1))
         if done < steps:
-            self._generation += 1  # the planned segment end no longer applies
-            self._rebatch_at = start + done * step_s
-            self.loop.at(self._rebatch_at, self._end_segment, self._generation, done)
+            self._schedule_end(done)
+
+    def _schedule_end(self, cut_steps: int | None) -> None:
+        """(Re)plans the running segment's end: after ``cut_steps`` steps, or all of them."""
+        start, step_s, steps = self._segment
+        self._cut_steps = cut_steps
+        self._generation += 1  # an end planned before no longer applies
+        n = steps if cut_steps is None else cut_steps
+        self.loop.at(start + n * step_s, self._end_segment, self._generation, n)
 
     def _resume(self) -> None:
         self._resume_at = None
@@ -150,31 +170,32 @@ class SimDecode:
         steps = min(r.remaining for r in self.running)
         mid_context = sum(r.context for r in self.running) + batch * (steps - 1) / 2
         step_s = self.overheads.decode_step_s(self.costs.decode_step_s(batch, int(mid_context)))
-        # After a stall the step in progress goes on from where it was, ``seconds`` later: the
-        # segment starts at its (shifted) beginning, maybe past, and its first step ends later.
-        start = self.loop.now if self._resume_from_s is None else self._resume_from_s
-        self._resume_from_s = None
-        self._segment = (start, step_s, steps)
-        self._generation += 1
-        self.loop.at(start + steps * step_s, self._end_segment, self._generation, steps)
+        self._segment = (self.loop.now, step_s, steps)
+        self._schedule_end(None)
 
     def _end_segment(self, generation: int, steps: int) -> None:
         if generation != self._generation or self._segment is None:
             return
         start, step_s, _ = self._segment
+        self._advance(start, step_s, steps)
+        finished = [r for r in self.running if r.remaining <= 0]
+        self.running = [r for r in self.running if r.remaining > 0]
+        self._segment, self._cut_steps = None, None
+        for r in finished:
+            self.release(r.request_id)
+            self.on_done(r)
+        self._form_batch()
+
+    def _advance(self, start: float, step_s: float, steps: int) -> None:
+        """The batch's first ``steps`` steps from ``start``: a token each per step."""
+        if steps <= 0:
+            return
         times = [start + step_s * (i + 1) for i in range(steps)]
         for r in self.running:
             self._deliver(r, times)
             r.num_generated += steps
             if r.remaining > 0:
                 self.on_progress(r)
-        finished = [r for r in self.running if r.remaining <= 0]
-        self.running = [r for r in self.running if r.remaining > 0]
-        self._segment, self._rebatch_at = None, None
-        for r in finished:
-            self.release(r.request_id)
-            self.on_done(r)
-        self._form_batch()
 
     def _deliver(self, request: SimDecodeRequest, made_s: list[float]) -> None:
         """Appends when the tokens made at ``made_s`` reach the client (see the module docstring)."""

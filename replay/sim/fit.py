@@ -11,22 +11,36 @@ prompt and cached tokens, workers), with the calibration for the decode step:
 - prefill: a worker runs one prefill at a time, so when a request was already waiting at its
   worker as the previous one's first token came back, its worker time is the gap between the
   two first tokens. Over those back-to-back pairs (pulls left out: their time is the link
-  model's), ``CostModels.prefill_s``'s formula is fitted again (non-negative, relative least
-  squares) after dropping, on a plain least-squares fit, the worst pair while it is off by
-  more than a factor of two (at most a tenth of them): two responses that came back out of
-  order give one pair far too short and one far too long.
+  model's), ``CostModels.prefill_s``'s formula is fitted again (non-negative least squares on
+  the seconds, not on relative errors: the queue a worker builds drains at the sum of its
+  prefills' times, which the many short prefills of a cached window would otherwise decide)
+  after dropping the worst pair while it is off by more than a factor of two (at most a
+  tenth of them): two responses that came back out of order give one pair far too short and
+  one far too long.
 - decode: a request is in its decode worker's batch from about one step before its second
   token to its last one, which gives the batch size and context at every moment; a prefill
-  starts (and pushes its reused rows, which cost its decode worker's loop the stall there and
-  then) when the previous first token on its worker came back. Each request's decode span
-  from second to last token is fitted as ``decode_step_scale * (calibrated steps) +
-  decode_stall_s_per_reused_token * (reused tokens pushed to its decode worker meanwhile)``.
-  A token's delivery delay is how much longer than that its gap was, 0 when shorter (delays
-  are sparse: a delayed token's successor catches up). A request's join delay is its first gap
-  (first to second token) less one step (one and a half when the batch was busy: half a
-  step's wait for its boundary), the stalls in it and the median delivery delay; the
-  simulator draws from their quantiles (the first gap is often a request's longest, so its
-  spread, not only its median, decides TBT).
+  starts (and pushes its reused rows) when the previous first token on its worker came back,
+  and ends at its own first token. Every gap between two tokens after a request's first is
+  fitted (non-negative, Huber-weighted least squares) as ``decode_step_scale * (calibrated
+  step of the batch then)`` plus a stall for each event in it that costs the loop time:
+  ``decode_stall_s_per_prefill`` per prefill ending on that worker,
+  ``decode_stall_s_per_arrival`` per request arriving, ``decode_stall_s_per_reused_token``
+  per reused token pushed to it (``costmodel.overheads`` says why each costs the loop); a
+  stall whose event falls in fewer than ``MIN_EVENT_GAPS`` gaps stays 0 (decode covers a small
+  share of a window, so a stall often rests on a handful of gaps). The weights keep a gap
+  that holds a late token (or the short one after it) from pulling the scale, as a few gaps
+  of several steps each do under plain least squares. A token's delivery
+  delay is how much longer than that model its gap was, 0 when shorter. A request's join
+  delay is read off its first gap (first to second token, less the median delivery delay)
+  where it joined an idle loop: the gap is then the join delay and one step, stretched by
+  the events after that step began; events before it paused the loop, and a join that came
+  while it was paused waited for the pause (its delay, only bounded then, is left out). With
+  fewer than ``MIN_IDLE_JOINS`` such joins every request counts, a busy one as its first gap
+  less one and a half steps, its own prefill's stall and the stalls in it (half a step's
+  wait for a boundary of a step its handling stretched): into a busy batch the first gap
+  says mostly where in the step the join landed, which the simulator reproduces itself. The
+  simulator draws from the delays' quantiles (the first gap is often a request's longest, so
+  its spread, not only its median, decides TBT).
 """
 
 from __future__ import annotations
@@ -43,13 +57,16 @@ from pathlib import Path
 import numpy as np
 
 from costmodel import CostModels
-from costmodel.fit import fit_nonneg, nnls, prefill_features
+from costmodel.fit import nnls, prefill_features
 from costmodel.overheads import ClusterOverheads
 from replay.records import FINISHED, RequestRecord, read_records
 
 NUM_QUANTILES = 20
 MIN_PREFILLS = 3
 MAX_DROPPED_SHARE = 0.1  # of the back-to-back prefills, at most, left out of the fit as out of order
+HUBER_K = 1.345  # the decode fit's outlier threshold, in robust standard deviations (95% efficient if normal)
+MIN_EVENT_GAPS = 5  # gaps holding an event, at least, for its stall to be fitted (else it stays 0)
+MIN_IDLE_JOINS = 5  # joins into an idle loop, at least, for the join delays to come from those alone
 
 
 @dataclass(frozen=True)
@@ -122,12 +139,15 @@ def _fit_prefill(observations: list[tuple[int, int, float]]) -> tuple[float, ...
         if off[worst] <= math.log(2):
             break
         keep[worst] = False
-    return tuple(float(c) for c in fit_nonneg(features[keep], seconds[keep]))
+    # Absolute errors, not relative: a queue drains at the sum of its prefills' times, so a
+    # 1.5 s prefill 20% off costs every request behind it 0.3 s, a 40 ms one 8 ms.
+    return tuple(float(c) for c in _plain_nnls(features[keep], seconds[keep]))
 
 
 class _Timelines:
     """Absolute token times of the decoded requests, the batch they imply on each decode
-    worker at any moment, and the reused rows pushed to each."""
+    worker at any moment, and the events that cost each decode worker's loop time: reused
+    rows pushed (at a prefill's start), prefills ending (first tokens) and arrivals."""
 
     def __init__(self, records: Sequence[RequestRecord], costs: CostModels):
         self.costs = costs
@@ -135,8 +155,11 @@ class _Timelines:
         self.times = [[r.arrival_s + t for t in r.token_times_s] for r in self.requests]
         self.joined = [ts[1] - costs.decode_step_s(1, r.prompt_len) for r, ts in zip(self.requests, self.times,
                                                                                         strict=True)]
-        self.pushes = [(p.start_s, p.record.decode_worker, p.record.cached_tokens) for p in _prefills(records)
+        prefills = _prefills(records)
+        self.pushes = [(p.start_s, p.record.decode_worker, p.record.cached_tokens) for p in prefills
                        if p.record.cached_tokens]
+        self.ends = [(p.first_s, p.record.decode_worker) for p in prefills]
+        self.arrivals = [r.arrival_s for r in records]
 
     def step_s(self, worker: str, t: float) -> float:
         """The calibrated step of ``worker``'s batch at time ``t``."""
@@ -153,35 +176,108 @@ class _Timelines:
         return any(j != i and r.decode_worker == worker and joined < t <= ts[-1]
                    for j, (r, ts, joined) in enumerate(zip(self.requests, self.times, self.joined, strict=True)))
 
-    def pushed(self, worker: str, from_s: float, until_s: float) -> int:
-        """Reused tokens pushed to ``worker`` by prefills starting in [from_s, until_s)."""
-        return sum(n for t, w, n in self.pushes if w == worker and from_s <= t < until_s)
+    def event_list(self, worker: str, from_s: float, until_s: float) -> list[tuple[float, int, float]]:
+        """(time, term, amount) of what costs ``worker``'s loop time between two tokens, term
+        an index into ``_EVENT_TERMS``: prefills ending on it and arrivals in (from_s, until_s],
+        reused tokens pushed to it by prefills starting in [from_s, until_s). A back-to-back
+        prefill starts as the one before ends, so over a first gap (from that first token) this
+        holds the next prefill's push, which the join may wait for, and not the request's own
+        end, which the caller handles. In time order."""
+        out = [(t, 0, 1.0) for t, w in self.ends if w == worker and from_s < t <= until_s]
+        out += [(t, 1, 1.0) for t in self.arrivals if from_s < t <= until_s]
+        out += [(t, 2, float(n)) for t, w, n in self.pushes if w == worker and from_s <= t < until_s]
+        return sorted(out)
+
+    def events(self, worker: str, from_s: float, until_s: float) -> list[float]:
+        """``event_list``'s amounts summed per term, in ``_EVENT_TERMS`` order."""
+        out = [0.0] * len(_EVENT_TERMS)
+        for _, term, amount in self.event_list(worker, from_s, until_s):
+            out[term] += amount
+        return out
 
 
-def _fit_decode(lines: _Timelines) -> tuple[float, float, float, list[float]]:
-    """(decode_step_scale, decode_stall_s_per_reused_token, join delays, delivery delays)."""
-    rows, spans, gaps = [], [], []  # gaps: (gap s, calibrated step s, reused tokens pushed in it)
+_EVENT_TERMS = ("decode_stall_s_per_prefill", "decode_stall_s_per_arrival", "decode_stall_s_per_reused_token")
+
+
+def _robust_nnls(features: np.ndarray, seconds: np.ndarray, iterations: int = 30) -> np.ndarray:
+    """Non-negative least squares with Huber weights (iteratively reweighted, k = 1.345 robust
+    standard deviations from the median absolute residual): a gap that holds a token's delivery
+    delay, or the short one after it, weighs as one gap, not as its square."""
+    weights = np.ones(len(seconds))
+    coefs = _plain_nnls(features, seconds)
+    for _ in range(iterations):
+        residuals = seconds - features @ coefs
+        spread = 1.4826 * float(np.median(np.abs(residuals)))
+        if spread <= 0:
+            break
+        weights = np.minimum(1.0, HUBER_K * spread / np.maximum(np.abs(residuals), 1e-300))
+        root = np.sqrt(weights)
+        new = _plain_nnls(features * root[:, None], seconds * root)
+        if np.allclose(new, coefs, rtol=1e-9, atol=1e-15):
+            break
+        coefs = new
+    return coefs
+
+
+def _fit_decode(lines: _Timelines) -> tuple[float, dict[str, float], list[float], list[float]]:
+    """(decode_step_scale, the event stalls by name, join delays, delivery delays)."""
+    rows, gaps = [], []  # one row per gap after a request's second token: [calibrated step, *events in it]
     for r, ts in zip(lines.requests, lines.times, strict=True):
         w = r.decode_worker
-        # A push costs the loop its stall there and then: it lengthens the gap it falls in.
-        mine = [(b - a, lines.step_s(w, (a + b) / 2), lines.pushed(w, a, b)) for a, b in zip(ts[1:], ts[2:],
-                                                                                             strict=False)]
-        gaps.extend(mine)
-        if mine:  # second token to last: its steps and the pushes' stalls
-            rows.append([sum(s for _, s, _ in mine), lines.pushed(w, ts[1], ts[-1])])
-            spans.append(ts[-1] - ts[1])
-    scale, stall_s = 1.0, 0.0
-    if rows:  # plain least squares: a span of two tokens that arrived together has no relative error
-        scale, stall_s = (float(c) for c in _plain_nnls(np.array(rows, dtype=float), np.array(spans)))
-        scale = scale if scale > 0 else 1.0
-    delays = [max(0.0, g - scale * s - stall_s * n) for g, s, n in gaps]
+        for a, b in zip(ts[1:], ts[2:], strict=False):
+            rows.append([lines.step_s(w, (a + b) / 2), *lines.events(w, a, b)])
+            gaps.append(b - a)
+    scale, stalls = 1.0, np.zeros(len(_EVENT_TERMS))
+    if rows:
+        features = np.array(rows, dtype=float)
+        # A stall rests on the few gaps its event falls in (decode covers a small share of a
+        # window): with fewer than MIN_EVENT_GAPS, two long gaps are as likely late tokens.
+        fitted = np.r_[True, (features[:, 1:] > 0).sum(axis=0) >= MIN_EVENT_GAPS]
+        coefs = np.zeros(features.shape[1])
+        coefs[fitted] = _robust_nnls(features[:, fitted], np.array(gaps))
+        scale, stalls = (float(coefs[0]) if coefs[0] > 0 else 1.0), coefs[1:]
+        delays = [max(0.0, g - float(f @ np.r_[scale, stalls])) for f, g in zip(features, gaps, strict=True)]
+    else:
+        delays = []
     median_delay = statistics.median(delays) if delays else 0.0
-    excess = []
+    idle, busy = [], []
     for i, (r, ts) in enumerate(zip(lines.requests, lines.times, strict=True)):
         step = scale * lines.step_s(r.decode_worker, ts[1])
-        wait = step * (1.5 if lines.busy_at(i, ts[0]) else 1.0)
-        excess.append(ts[1] - ts[0] - wait - stall_s * lines.pushed(r.decode_worker, ts[0], ts[1]))
-    return scale, stall_s, [max(0.0, e - median_delay) for e in excess], delays
+        events = [(t, stalls[term] * amount, term) for t, term, amount in lines.event_list(r.decode_worker, *ts[:2])]
+        if lines.busy_at(i, ts[0]):
+            # Its own prefill's end (at ts[0]) stretches the step in progress, which it waits for.
+            busy.append(max(0.0, ts[1] - ts[0] - 1.5 * step - stalls[0] - sum(s for _, s, _ in events)
+                            - median_delay))
+        else:
+            join_s = _idle_join_s(ts[0], ts[1] - median_delay, step, events)
+            if join_s is not None:
+                idle.append(join_s)
+    # Into an idle loop the first gap is the join delay and one step; into a busy batch it is
+    # mostly where in the (stretched) step the join landed, so those count only when few joined idle.
+    joins = idle if len(idle) >= MIN_IDLE_JOINS else idle + busy
+    return scale, dict(zip(_EVENT_TERMS, (float(x) for x in stalls), strict=True)), joins, delays
+
+
+def _idle_join_s(first_s: float, second_s: float, step_s: float,
+                 events: list[tuple[float, float, int]]) -> float | None:
+    """The join delay of a request that joined an idle loop, as ``SimDecode`` makes its second
+    token: an event (time, stall s, term) before its first step started paused the loop, which
+    the join waited for only if it came sooner (a prefill's end does not pause an idle loop);
+    one after stretched that step. None when the join came while the loop was paused (the
+    delay is then only known to be shorter)."""
+    start_s = second_s - step_s - sum(s for _, s, _ in events)
+    for _ in events:  # the events after the start stretched the step: find the start they imply
+        later = second_s - step_s - sum(s for t, s, _ in events if t > start_s)
+        if later == start_s:
+            break
+        start_s = later
+    paused_until = -math.inf
+    for t, s, term in events:
+        if t <= start_s and term != 0:
+            paused_until = max(paused_until, t) + s
+    if start_s <= paused_until + 1e-9:
+        return None
+    return max(0.0, start_s - first_s)
 
 
 def fit_overheads(records: Sequence[RequestRecord], costs: CostModels, source: str = "live records",
@@ -193,7 +289,7 @@ def fit_overheads(records: Sequence[RequestRecord], costs: CostModels, source: s
     observations = prefill_observations(records)
     prefill = _fit_prefill(observations)
     lines = _Timelines(records, costs)
-    scale, stall_s, joins, delays = _fit_decode(lines) if lines.requests else (1.0, 0.0, [], [])
+    scale, stalls, joins, delays = _fit_decode(lines) if lines.requests else (1.0, {}, [], [])
     probs = [100 * (i + 0.5) / num_quantiles for i in range(num_quantiles)]
 
     def quantiles(values: list[float]) -> tuple[float, ...]:
@@ -201,7 +297,7 @@ def fit_overheads(records: Sequence[RequestRecord], costs: CostModels, source: s
 
     overheads = ClusterOverheads(
         dispatch_s=statistics.median(queues) if queues else 0.0, prefill_coefficients=prefill,
-        decode_join_quantiles_s=quantiles(joins), decode_step_scale=scale, decode_stall_s_per_reused_token=stall_s,
+        decode_join_quantiles_s=quantiles(joins), decode_step_scale=scale, **stalls,
         delivery_delay_quantiles_s=quantiles(delays), source=source, num_fit_requests=len(finished))
     return OverheadFit(overheads, len(observations), len(lines.requests), len(delays))
 

@@ -121,6 +121,9 @@ class Simulation:
 
     # ---- arrival and admission ----------------------------------------------------------------
     def _arrive(self, life: _Life) -> None:
+        stall_s = self.config.overheads.decode_stall_s_per_arrival  # the Conductor's work shares the host's cores
+        for decode in self.cluster.decode.values():
+            decode.stall(stall_s)
         c = self.config.conductor
         if self.num_running < c.max_running:
             self.num_running += 1
@@ -201,6 +204,9 @@ class Simulation:
         self.core.speed.observe(d.prefill_worker, d.predicted.model_prefill_s, job.worker_s)  # as conductor.lifecycle
         r = life.req
         decode = self.cluster.decode[d.decode_worker]
+        # The response's handling and the verdict stretch the step in progress; an idle loop's
+        # next step is this request's, which waits for its join anyway.
+        decode.stall(self.config.overheads.decode_stall_s_per_prefill, when_idle=False)
         if r.max_tokens <= 1:
             decode.release(r.request_id)
             self._finish(life)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from conductor.config import ConductorConfig
@@ -16,7 +17,7 @@ from costmodel.overheads import NO_OVERHEADS, ClusterOverheads
 from decode_worker.config import DecodeConfig
 from prefill_worker.config import PrefillConfig
 from replay.records import RequestRecord
-from replay.sim.fit import fit_overheads, prefill_observations
+from replay.sim.fit import _plain_nnls, _robust_nnls, fit_overheads, prefill_observations
 from replay.sim.run import SimConfig, Simulation, simulate
 from replay.transform import ReplayRequest, ScaledTrace, TraceTransform
 
@@ -63,6 +64,12 @@ def test_overheads_validate_interpolate_and_round_trip(tmp_path) -> None:
     (tmp_path / "bad.json").write_text('{"format": "tidekv-overheads", "version": 1, "dispatch_s": -1}')
     with pytest.raises(ValueError, match="bad.json"):
         ClusterOverheads.load(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="decode_stall_s_per_arrival"):
+        ClusterOverheads(decode_stall_s_per_arrival=-1e-3)
+    # A file written before the event stalls existed: they default to none.
+    (tmp_path / "old.json").write_text('{"format": "tidekv-overheads", "version": 1, "dispatch_s": 0.002}')
+    old = ClusterOverheads.load(tmp_path / "old.json")
+    assert old.decode_stall_s_per_prefill == old.decode_stall_s_per_arrival == 0.0 and old.dispatch_s == 0.002
 
 
 def test_each_overhead_lands_where_the_live_cluster_pays_it() -> None:
@@ -108,6 +115,64 @@ def test_pushing_reused_rows_stalls_the_decode_loop_once() -> None:
     assert stalled.token_times_s[-1] - base.token_times_s[-1] == pytest.approx(0.016)
 
 
+def test_arrivals_and_prefill_ends_stretch_the_step_in_progress() -> None:
+    # t0 decodes 30 tokens from 0.160 s in 11 ms steps. t1 arrives at 0.2 s (in t0's step
+    # 0.193..0.204: +2 ms from then on) and prefills 165 tokens alone; its prefill ends at
+    # 0.365 s (in t0's step 0.360..0.371, already 2 ms late: +4 ms more). t1 makes one token,
+    # so it never joins. t0's own arrival (at 0) and prefill end (at 0.160) find the loop idle:
+    # an arrival pauses an idle loop (long over by 0.160), a prefill end does not.
+    scaled = trace((0.0, 160, 30, ids(10)), (0.2, 165, 1, ids(10, start=500)))
+    o = ClusterOverheads(decode_stall_s_per_prefill=0.004, decode_stall_s_per_arrival=0.002)
+    t0, t1 = run(scaled, o)
+    assert t1.ttft_s == pytest.approx(0.165)
+    expected = [0.160 + 0.011 * k + 0.002 * (k >= 4) + 0.004 * (k >= 19) for k in range(30)]
+    assert t0.token_times_s == pytest.approx(tuple(expected))
+
+
+def test_a_prefill_end_does_not_delay_its_own_join_into_an_idle_loop() -> None:
+    lone = trace((0.0, 160, 3, ids(10)))
+    (r,) = run(lone, ClusterOverheads(decode_stall_s_per_prefill=0.004, decode_join_quantiles_s=(0.003,)))
+    assert r.token_times_s == pytest.approx((0.160, 0.160 + 0.003 + 0.011, 0.160 + 0.003 + 0.022))
+
+
+def test_a_stall_keeps_a_joining_request_waiting_for_the_step_in_progress() -> None:
+    # t0 decodes 30 tokens from 0.160 s in 11 ms steps. t1 (160 tokens, 3 out) prefills alone
+    # from 0.2 s; its prefill ends at 0.360 s, in t0's step 0.358..0.369, which its 4 ms stall
+    # stretches to 0.373. t1 joins there, not in that step: two steps of a batch of 2 (12 ms),
+    # then t0 goes on alone.
+    scaled = trace((0.0, 160, 30, ids(10)), (0.2, 160, 3, ids(10, start=500)))
+    t0, t1 = run(scaled, ClusterOverheads(decode_stall_s_per_prefill=0.004))
+    assert t1.token_times_s == pytest.approx((0.160, 0.173 + 0.012, 0.173 + 0.024))  # relative to 0.2 s
+    alone = [0.160 + 0.011 * k for k in range(19)]
+    together = [0.373, 0.385, 0.397]
+    after = [0.397 + 0.011 * k for k in range(1, 9)]
+    assert t0.token_times_s == pytest.approx(tuple(alone + together + after))
+
+
+def test_a_stall_rests_on_enough_gaps_or_stays_zero() -> None:
+    # t0 decodes 30 tokens from 0.160 s; t1..t3 (one token each) queue behind it and their
+    # prefills end at 0.256, 0.352 and 0.448 s, in three of t0's gaps, each 4 ms longer. Three
+    # gaps are too few to tell a stall per prefill from late tokens: it stays 0 and the three
+    # 4 ms become delivery delays.
+    scaled = trace((0.0, 160, 30, ids(10)), *[(0.001 * i, 96, 1, ids(6, start=100 * i)) for i in (1, 2, 3)])
+    records = run(scaled, ClusterOverheads(decode_stall_s_per_prefill=0.004))
+    gaps = sorted(b - a for a, b in zip(records[0].token_times_s, records[0].token_times_s[1:], strict=False))
+    assert gaps[-4:] == pytest.approx([0.011, 0.015, 0.015, 0.015])
+    got = fit_overheads(records, COSTS).overheads
+    assert got.decode_stall_s_per_prefill == 0.0 and got.decode_step_scale == pytest.approx(1.0)
+    assert max(got.delivery_delay_quantiles_s) == pytest.approx(0.004)
+
+
+def test_the_decode_fit_weighs_an_outlying_gap_as_one_gap() -> None:
+    # Ten gaps of exactly 2 calibrated steps and one 0.5 s late: plain least squares moves the
+    # scale by the late gap's share, the Huber weights all but ignore it.
+    steps = np.array([[0.01 * (1 + i % 3)] for i in range(11)])
+    gaps = 2.0 * steps[:, 0]
+    gaps[5] += 0.5
+    assert _plain_nnls(steps, gaps)[0] > 2.5
+    assert _robust_nnls(steps, gaps)[0] == pytest.approx(2.0, rel=1e-3)
+
+
 def test_the_simulated_conductor_learns_the_worker_speed_as_the_live_one_does() -> None:
     # Two requests at once: the second is decided while the first runs, with the factor at 1.
     scaled = trace((0.0, 160, 1, ids(10)), (0.0, 320, 1, ids(20, 100)))
@@ -125,16 +190,18 @@ def test_the_simulated_conductor_learns_the_worker_speed_as_the_live_one_does() 
 
 
 def test_the_fit_recovers_the_overheads_a_simulated_run_was_made_with() -> None:
-    # A queue of prefills (some reusing earlier prefixes) and overlapping decodes.
+    # A queue of prefills (half reusing an earlier prefix) and overlapping decodes, long enough
+    # that every stall's event falls in more than MIN_EVENT_GAPS gaps.
     requests = []
     for i in range(40):
-        shared = ids(6) if i % 3 == 0 else ()
+        shared = ids(6) if i % 2 == 0 else ()
         own = ids(4 + (i * 7) % 15, start=1000 + 100 * i)
-        requests.append((0.05 * i, 16 * len(shared + own) + 5, 4 + i % 9, shared + own))
+        requests.append((0.05 * i, 16 * len(shared + own) + 5, 12 + i % 9, shared + own))
     scaled = trace(*requests)
     truth = ClusterOverheads(dispatch_s=0.002, prefill_coefficients=(0.015, 1.2e-3, 0.0, 1e-7, 5e-5),
                              decode_join_quantiles_s=(0.003,), decode_step_scale=1.3,
-                             decode_stall_s_per_reused_token=2e-4)
+                             decode_stall_s_per_reused_token=2e-4, decode_stall_s_per_prefill=0.004,
+                             decode_stall_s_per_arrival=0.002)
     records = run(scaled, truth)
     observations = prefill_observations(records)
     assert len(observations) >= 30 and any(reused for _, reused, _ in observations)
@@ -143,7 +210,11 @@ def test_the_fit_recovers_the_overheads_a_simulated_run_was_made_with() -> None:
     assert got.prefill_coefficients == pytest.approx(truth.prefill_coefficients, rel=1e-6, abs=1e-12)
     assert got.decode_step_scale == pytest.approx(truth.decode_step_scale, rel=0.02)
     assert got.decode_stall_s_per_reused_token == pytest.approx(truth.decode_stall_s_per_reused_token, rel=0.1)
-    assert got.decode_join_s(0.5) == pytest.approx(0.003, abs=0.001)  # the median
+    assert got.decode_stall_s_per_prefill == pytest.approx(truth.decode_stall_s_per_prefill, rel=0.02)
+    assert got.decode_stall_s_per_arrival == pytest.approx(truth.decode_stall_s_per_arrival, rel=0.02)
+    # Read off the joins into an idle loop, as the simulator made them: a push that paused the
+    # loop meanwhile (the next prefill's, as this one ends) is neither added nor subtracted.
+    assert got.decode_join_quantiles_s == pytest.approx((0.003,) * len(got.decode_join_quantiles_s), abs=1e-9)
     assert max(got.delivery_delay_quantiles_s) < 5e-4  # none were simulated (what is left: the fit's error)
     with pytest.raises(ValueError, match="back-to-back"):
         fit_overheads(records[:2], COSTS)
