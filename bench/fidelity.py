@@ -10,8 +10,8 @@ covers both windows in order, as the live run does, so the cache and the Conduct
 carry over from the first to the second window in both.
 
 Prints one JSON object (progress on stderr): live and simulated TTFT p50/p90 and TBT p50/p90 of
-each window, their ratio and relative error (goal: within 15%; Vidur reports under 9% on real
-GPUs), and the overheads with how they were obtained. ``between_windows`` puts the two fits
+each window, their ratio and relative error (goal: TTFT p50 and p90 and TBT p50 within 15%;
+Vidur reports under 9% on real GPUs), and the overheads with how they were obtained. ``between_windows`` puts the two fits
 side by side on the same work (every back-to-back prefill of both windows, timed by each
 window's prefill fit; the two decode step scales): a ratio away from 1 means the live cluster
 ran at another speed in one window than in the other, which a fit on the other window cannot
@@ -55,6 +55,7 @@ SECOND_WINDOW_START = 3840
 BLOCK, SNAPSHOT_EVERY, PREFILL_PAGES, DECODE_PAGES = 16, 2, 2048, 4096
 GOAL = 0.15
 METRICS = ("ttft_p50_s", "ttft_p90_s", "tbt_p50_s", "tbt_p90_s")
+GOAL_METRICS = ("ttft_p50_s", "ttft_p90_s", "tbt_p50_s")  # the issue's; TBT p90 is reported beside them
 
 
 def log(msg: str) -> None:
@@ -135,7 +136,7 @@ def compare(live: list[RequestRecord], sim: list[RequestRecord], window: range) 
         out[k] = {"live": a[k], "simulated": b[k], "ratio": ratio,
                   "relative_error": None if ratio is None else ratio - 1}
     out["within_goal"] = all(out[k]["relative_error"] is not None and abs(out[k]["relative_error"]) <= GOAL
-                             for k in METRICS)
+                             for k in GOAL_METRICS)
     return out
 
 
