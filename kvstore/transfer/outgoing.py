@@ -65,31 +65,35 @@ def coalesce(
     if item.parts is None or item.header.kind != Kind.MLA_ROWS:
         return item
     header, parts, seq = item.header, list(item.parts), item.seq
+    # The merged frame's growing fields, put into one header at the end (not one per chunk).
+    token_end, num_rows, body_bytes = header.token_end, header.shape[0], header.body_bytes
     while outbox and seq not in faulty:
         nxt = outbox[0]
-        if nxt is None or nxt.seq in faulty or not _continues(header, nxt.header, max_frame_bytes):
+        if nxt is None or nxt.seq in faulty or not _continues(header, token_end, body_bytes, nxt.header,
+                                                               max_frame_bytes):
             break
         outbox.popleft()
         h = nxt.header
-        header = header._replace(
-            token_end=h.token_end, shape=(header.shape[0] + h.shape[0], *header.shape[1:]),
-            body_bytes=header.body_bytes + h.body_bytes,
-        )
+        token_end, num_rows, body_bytes = h.token_end, num_rows + h.shape[0], body_bytes + h.body_bytes
         parts += nxt.parts
         seq = nxt.seq
-    return item if seq == item.seq else Outgoing(header, tuple(parts), seq=seq)
+    if seq == item.seq:
+        return item
+    header = header._replace(token_end=token_end, shape=(num_rows, *header.shape[1:]), body_bytes=body_bytes)
+    return Outgoing(header, tuple(parts), seq=seq)
 
 
-def _continues(header: FrameHeader, nxt: FrameHeader, max_frame_bytes: int) -> bool:
-    """Whether ``nxt`` carries the rows right after ``header``'s and both fit one frame."""
+def _continues(header: FrameHeader, token_end: int, body_bytes: int, nxt: FrameHeader, max_frame_bytes: int) -> bool:
+    """Whether ``nxt`` carries the rows right after those of ``header`` (merged up to
+    ``token_end``, ``body_bytes`` so far) and all of them fit one frame."""
     return (
         nxt.kind == Kind.MLA_ROWS
         and nxt.request_id == header.request_id
         and nxt.layer == header.layer
-        and nxt.token_start == header.token_end
+        and nxt.token_start == token_end
         and nxt.dtype == header.dtype
         and nxt.shape[1:] == header.shape[1:]
-        and header.body_bytes + nxt.body_bytes <= max_frame_bytes
+        and body_bytes + nxt.body_bytes <= max_frame_bytes
     )
 
 
