@@ -11,14 +11,14 @@ carry over from the first to the second window in both.
 
 Prints one JSON object (progress on stderr): live and simulated TTFT p50/p90 and TBT p50/p90 of
 each window, their ratio and relative error (goal: TTFT p50 and p90 and TBT p50 within 15%;
-Vidur reports under 9% on real GPUs), and the overheads with how they were obtained. ``between_windows`` puts the two fits
-side by side on the same work (every back-to-back prefill of both windows, timed by each
-window's prefill fit; the two decode step scales): a ratio away from 1 means the live cluster
-ran at another speed in one window than in the other, which a fit on the other window cannot
-know, so it bounds what the judge can show. ``host_load_1m`` is the host's load average
-before and after the live run. ``--keep DIR`` keeps the calibration, the reports and the load;
-``--reuse DIR`` simulates again against a kept live run (no cluster, no calibration). Run it on
-a quiet machine: the live cluster shares its cores with everything.
+Vidur reports under 9% on real GPUs), and the overheads with how they were obtained.
+``between_windows`` puts the two fits side by side on the same work (every back-to-back prefill
+of both windows, timed by each window's prefill fit; the two decode step scales): a ratio away
+from 1 means the live cluster ran at another speed in one window than in the other, which a fit
+on the other window cannot know, so it bounds what the judge can show. ``host_load_1m`` is the
+host's load average before and after the live run. ``--keep DIR`` keeps the calibration, the
+reports and the load; ``--reuse DIR`` simulates again against a kept live run (no cluster, no
+calibration). Run it on a quiet machine: the live cluster shares its cores with everything.
 
 Usage: python -m bench.fidelity [--quick] [--requests 80] [--rate-scale 1.0] [--keep DIR | --reuse DIR]
 """

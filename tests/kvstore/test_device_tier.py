@@ -13,7 +13,6 @@ in place.
 
 from __future__ import annotations
 
-import queue
 import tempfile
 from collections.abc import Iterator
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvstore.blocks import BlockKey, Tier, block_key, chain_keys
 from engine.cache import PagePool
+from kvstore.blocks import BlockKey, Tier, block_key, chain_keys
 from kvstore.device import DeviceTier
 from kvstore.eviction import POLICIES
 from kvstore.metrics import StoreMetrics
