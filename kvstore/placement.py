@@ -1,8 +1,9 @@
 """Block placement across one worker's tiers: the mechanism under ``TieredStore``.
 
 Owns the tier backends, one eviction policy instance per tier, which tier holds each key
-(each key lives in exactly one), and pin counts. Applies puts, gets with promotion, eviction
-with demotion (device -> DRAM -> SSD -> dropped) and drops, and reports every change through
+(each key lives in exactly one), and pin counts. Applies puts, adoptions of a request's page
+into the device tier, gets with promotion, eviction with demotion (device -> DRAM -> SSD ->
+dropped; also to free engine pages, ``free_device_pages``) and drops, and reports every change through
 the event callback, in order. Victims come from the tier's policy (a pure choice); nothing
 is evicted unless the choice frees enough. Not thread-safe: ``TieredStore`` calls it under
 its lock. Moves are counted in an optional ``StoreMetrics`` (evictions, demotions, promotions).

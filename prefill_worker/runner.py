@@ -1,20 +1,25 @@
 """One prefill, start to end: reserve, reuse the prefix, prefill while streaming KV, store.
 
-Owns the worker's engine state (model, cache manager) and the order of a prefill:
+Owns the order of a prefill over the worker's engine state (the model, and the cache manager
+whose page pool the store's device tier shares):
 
-1. reserve pages + a KDA slot for the prompt (``Busy`` when they do not fit now);
-2. reuse: take the planned leading blocks from the own store, or pull them from the holder
-   worker through the transfer engine (and keep them: hot prefixes replicate); stop at the
-   deepest block that carries a KDA snapshot (the hybrid hit rule);
+1. reuse: pull the planned leading blocks from the holder worker through the transfer engine
+   (and keep them: hot prefixes replicate), or take them from the own store: the leading run
+   held in the device tier pinned and shared in place, the rest copied from DRAM or SSD; stop
+   at the deepest block that carries a KDA snapshot (the hybrid hit rule);
+2. reserve pages + a KDA slot for the prompt, sharing the in-place pages (``Busy`` when they
+   do not fit now, even after demoting unpinned device blocks to DRAM);
 3. push the reused rows, then run chunked prefill over the rest with a per-layer hook that
    pushes each layer's new rows while the next layer computes; push every KDA layer's final
    state; sample the first token; wait for the decode worker's verdict;
-4. store every new full block (with snapshots at the snapshot points) and return the events.
-The cache is always released, whatever happens.
+4. keep every full block not reused in place in the device tier, in the page it was computed
+   or loaded in (a copy to DRAM when the tier cannot take it), and return the events.
+The cache is always released and the pins dropped, whatever happens.
 
 Prefills run one at a time (``_engine_lock``); waiting requests count as the queue.
 Metrics (``prefill_worker.metrics.PrefillMetrics``, optional): tokens and duration per
-prefill, layer and chunk compute times from the per-layer hook; gauges read ``load()``.
+prefill and per stage (``StageClock``), layer and chunk compute times from the per-layer
+hook; gauges read ``load()``.
 """
 
 from __future__ import annotations
