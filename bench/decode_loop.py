@@ -66,7 +66,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import engine
-from bench.common import summary
+from bench.common import process_cpu_s, summary
 from decode_worker.metrics import DecodeMetrics
 from decode_worker.scheduler import DecodeScheduler, Finished
 from decode_worker.server import DecodeService
@@ -317,12 +317,6 @@ def forward_in_process(positions: list[int], tokens_per_sample: int, repeats: in
     return out
 
 
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _step_hist(address: str) -> tuple[float, float]:
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
     got = {}
@@ -345,9 +339,9 @@ def forward_cluster(num_tokens: int, cpu_every: int, threads: int, idle_s: float
         pids = {"conductor": cluster.procs["conductor"].pid, "decode": cluster.procs["decode-0"].pid}
         client.generate(Client.request(list(range(1, 65)), max_tokens=32))  # warm the path
         # What the Conductor burns with no request (heartbeats, registry, metrics), per second.
-        idle = (time.perf_counter(), _cpu_s(pids["conductor"]))
+        idle = (time.perf_counter(), process_cpu_s(pids["conductor"]))
         time.sleep(idle_s)
-        idle_rate = (_cpu_s(pids["conductor"]) - idle[1]) / (time.perf_counter() - idle[0])
+        idle_rate = (process_cpu_s(pids["conductor"]) - idle[1]) / (time.perf_counter() - idle[0])
         before = _step_hist(decode_metrics)
         stamps: list[tuple[float, int]] = []
         cpu: list[tuple[int, float, float, float]] = []  # (tokens, wall, Conductor CPU, decode worker CPU)
@@ -359,8 +353,8 @@ def forward_cluster(num_tokens: int, cpu_every: int, threads: int, idle_s: float
                 n += len(msg.token_ids)
                 stamps.append((now, len(msg.token_ids)))
                 if not cpu or n - cpu[-1][0] >= cpu_every:
-                    cpu.append((n, now, _cpu_s(pids["conductor"]), _cpu_s(pids["decode"])))
-        cpu.append((n, time.perf_counter(), _cpu_s(pids["conductor"]), _cpu_s(pids["decode"])))
+                    cpu.append((n, now, process_cpu_s(pids["conductor"]), process_cpu_s(pids["decode"])))
+        cpu.append((n, time.perf_counter(), process_cpu_s(pids["conductor"]), process_cpu_s(pids["decode"])))
         after = _step_hist(decode_metrics)
         client.close()
     gaps = [(b[0] - a[0]) / b[1] for a, b in zip(stamps[1:], stamps[2:], strict=False)]  # after the 2nd message

@@ -32,7 +32,7 @@ import grpc
 import torch
 
 import engine
-from bench.common import summary
+from bench.common import process_cpu_s, summary
 from conductor.client import Client
 from deploy.local import ClusterConfig, LocalCluster
 from observe.top import scrape
@@ -43,7 +43,6 @@ PROMPT_LEN, CACHED_LEN, FLOOD_LEN, STREAM_PROMPT_LEN = 2048, 1792, 1500, 256
 SETTLE_S = 0.5  # before each timed request: the prefill worker stores blocks after answering
 GOALS = {"cached_over_cold": 0.08, "cluster_over_single_process": 1.1, "cluster_over_single_process_every": 1.15,
          "disagg_p99_flood_over_idle": 1.3, "first_over_steady": 1.2}
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def log(msg: str) -> None:
@@ -168,13 +167,6 @@ TIMELINE_SUMS = ("tidekv:request_queue_time_seconds", "tidekv:time_to_first_toke
                  "tidekv:prefill_seconds", "tidekv:prefill_stage_seconds", "tidekv:transfer_seconds")
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of one process so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
 class Timeline:
     """One request's timeline, from the differences of the cluster's own counters around it
     (requests run one at a time): the Conductor's queue and server-side TTFT, the prefill
@@ -214,7 +206,7 @@ class Timeline:
         return out
 
     def _cpu(self) -> dict[str, float]:
-        return {name: _cpu_s(pid) for name, pid in self.pids.items()}
+        return {name: process_cpu_s(pid) for name, pid in self.pids.items()}
 
 
 # ---- the three measurements -------------------------------------------------------------------

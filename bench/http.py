@@ -38,6 +38,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.common import process_cpu_s as common_process_cpu_s
 from conductor.client import Client
 from deploy.local import ClusterConfig, LocalCluster, free_port
 
@@ -95,10 +96,9 @@ def http_front(conductor: str) -> Iterator[tuple[str, int]]:
 def process_cpu_s(pid: int) -> float | None:
     """User + system CPU seconds of a process so far (Linux /proc), None elsewhere."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return common_process_cpu_s(pid)
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def itl_gaps(stamps: list[tuple[float, int]]) -> list[float]:

@@ -26,13 +26,11 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from conductor.apikeys import add_key
 from conductor.client import Client
@@ -169,13 +167,6 @@ def compare_arms(arms: dict[str, list[list[Run]]]) -> dict[str, Any]:
     return out
 
 
-def conductor_counter(cluster: LocalCluster, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == f"tidekv:{name}_total")
-
-
 def wait_back(cluster: LocalCluster, worker_id: str, old_address: str) -> float:
     """Until ``worker_id`` is registered from a new address (its restarted process); seconds waited."""
     t0 = time.monotonic()
@@ -240,7 +231,7 @@ def migration_cost(work: Path, repeats: int, prompt_len: int, max_tokens: int) -
                 log(f"repeat {i + 1}/{repeats}: {json.dumps(row)}")
                 if row["victim"]:
                     row["back_after_s"] = wait_back(cluster, row["victim"], addresses[row["victim"]])
-            migrations = conductor_counter(cluster, "decode_migrations")
+            migrations = cluster.conductor_counter("decode_migrations")
         finally:
             client.close()
     done = [r for r in rows if "gap_s" in r]

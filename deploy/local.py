@@ -181,6 +181,13 @@ class LocalCluster:
         return [f"127.0.0.1:{self.metrics_port}",
                 *(w.metrics_address for w in self.workers().workers if w.metrics_address)]
 
+    def conductor_counter(self, name: str) -> float:
+        """The Conductor's counter ``tidekv:NAME_total``, summed over its labels (0 when absent)."""
+        from observe.top import scrape
+
+        return sum(value for metric, _, value in scrape(f"127.0.0.1:{self.metrics_port}", timeout_s=10)
+                   if metric == f"tidekv:{name}_total")
+
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"

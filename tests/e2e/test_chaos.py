@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 import engine
 import replay.live as live
@@ -103,14 +101,6 @@ def wait_for(predicate, what: str, timeout_s: float = DEADLINE_S, every_s: float
         assert time.monotonic() < until, f"timed out waiting for {what}"
         time.sleep(every_s)
     return value
-
-
-def conductor_counter(cluster: LocalCluster, name: str) -> float:
-    """A Conductor counter summed over its labels."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == f"tidekv:{name}_total")
 
 
 def prefill_in_flight(cluster: LocalCluster) -> str:
@@ -205,8 +195,8 @@ def test_chaos_replay_with_worker_kills_and_a_redis_restart(redis_server_factory
                      every_s=0.2)
         wait_for(lambda: RESYNC_LOG in (cluster.log_dir / "conductor.log").read_text(),
                  "the Conductor's resync after the Redis restart")
-        migrations = conductor_counter(cluster, "decode_migrations")
-        retries = conductor_counter(cluster, "prefill_retries")
+        migrations = cluster.conductor_counter("decode_migrations")
+        retries = cluster.conductor_counter("prefill_retries")
         crashed = sorted(e.name for e in cluster.events if e.kind == "crashed")
         stats = wait_all_freed(cluster)
         assert all(p.poll() is None for p in cluster.procs.values()), cluster.events
