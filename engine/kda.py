@@ -24,6 +24,11 @@ DEFAULT_CHUNK_TOKENS = 64
 # pairwise decays cost C*D per token and are memory-bound there, while the extra sequential
 # state steps (one per chunk) are cheap. Accelerators prefer fewer, larger chunks.
 CPU_CHUNK_TOKENS = 16
+# Decay exponents are clamped to at least this before exp: on CPU, exp of an input that
+# underflows (below about -87, or -inf) takes a slow path, about 90x slower per element than a
+# normal one, and long or strong decays put most pairwise exponents there. e^-80 (1.8e-35) in
+# place of a smaller number or 0 changes no fp32 sum of O(1) terms.
+EXP_FLOOR = -80.0
 
 
 def chunk_tokens_for(device: str | torch.device) -> int:
@@ -164,25 +169,26 @@ def chunked_delta_rule(
     q, k, v, g = (a.view(n, c, h, -1).permute(2, 0, 1, 3) for a in (q, k, v, g))
     beta = beta.view(n, c, h).permute(2, 0, 1)
     G = g.cumsum(2)
-    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    # decayed[h, n, t, s, d] = exp(G_t - G_s) k_s for s <= t, 0 above the diagonal; then A and
-    # M come out of one batched matmul against [k_t | q_t] (no einsum permute copies).
-    decayed = (G.unsqueeze(3) - G.unsqueeze(2)).masked_fill_(~causal[..., None], float("-inf"))
-    decayed = decayed.exp_().mul_(k.unsqueeze(2))
+    # decayed[h, n, t, s, d] = exp(G_t - G_s) k_s; then A and M come out of one batched matmul
+    # against [k_t | q_t] (no einsum permute copies), and only their s <= t part is kept. Each
+    # exponent is clamped to [EXP_FLOOR, 0] first: for s <= t it is <= 0 already (see
+    # EXP_FLOOR); for s > t it is >= 0, and the clamp keeps those discarded entries finite.
+    decayed = (G.unsqueeze(3) - G.unsqueeze(2)).clamp_(EXP_FLOOR, 0.0).exp_().mul_(k.unsqueeze(2))
     both = torch.matmul(torch.stack([k, q], 3), decayed.transpose(-1, -2))  # [H, N, C, 2, C]
     del decayed
     a_mat = both[..., 0, :].tril(-1) * beta.unsqueeze(-1)
-    m_mat = both[..., 1, :]
+    m_mat = both[..., 1, :].tril()
     eye = torch.eye(c, device=q.device, dtype=q.dtype)
     lower = eye + a_mat
     b_v = v * beta.unsqueeze(-1)
-    b_k = k * G.exp() * beta.unsqueeze(-1)
+    decay = G.clamp_min(EXP_FLOOR).exp()  # e^G, [H, N, C, D]
+    b_k = k * decay * beta.unsqueeze(-1)
     rhs = torch.cat([b_v, b_k], -1)
     sol = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
     w_v, w_k = sol[..., : v.shape[-1]], sol[..., v.shape[-1]:]  # U = w_v - w_k @ S0
-    q_dec = q * G.exp()
-    k_tail = k * (G[:, :, -1:] - G).exp()  # e^(G_C - G_s)
-    g_last = G[:, :, -1].exp()  # [H, N, D]
+    q_dec = q * decay
+    k_tail = k * (G[:, :, -1:] - G).clamp_min_(EXP_FLOOR).exp_()  # e^(G_C - G_s)
+    g_last = decay[:, :, -1]  # [H, N, D]
     out = torch.empty_like(v)
     s = state
     for i in range(n):
