@@ -24,13 +24,16 @@ def test_chunked_prefill_equals_token_by_token(tiny, chunk):
     assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
 
 
-def test_kda_chunk_sizes_agree(tiny):
+@pytest.mark.parametrize("decay", [3.0, 60.0], ids=["mild", "strong"])
+def test_kda_chunk_sizes_agree(tiny, decay):
+    """Chunked forms equal the token-by-token one (chunk 1), also where decays are strong
+    enough that most pairwise exponents fall below the clamp (``EXP_FLOOR``)."""
     from engine.kda import chunked_delta_rule
 
     g = torch.Generator().manual_seed(0)
     t, h, d = 77, 2, 16
     q, k, v = (torch.nn.functional.normalize(torch.randn(t, h, d, generator=g), dim=-1) for _ in range(3))
-    gate = -torch.rand(t, h, d, generator=g) * 3
+    gate = -torch.rand(t, h, d, generator=g) * decay
     beta = torch.rand(t, h, generator=g)
     s0 = torch.randn(h, d, d, generator=g)
     outs = [chunked_delta_rule(q, k, v, gate, beta, s0, c) for c in (1, 5, 16, 128)]
