@@ -7,9 +7,12 @@ in one process). Two more bound the direct shm path by its own work, without the
 memory: the bound when the receiver's checksum pass overlaps on a free core) and
 ``one_copy_serial`` adds the receiver's pass over the destination in the same thread (the
 bound when both ends share one core). Mooncake's TransferEngine over TCP is the peer baseline
-when ``mooncake-transfer-engine-non-cuda`` is installed (set ``MC_TCP_BIND_ADDRESS=127.0.0.1``).
-Prints one JSON object whose ``goals`` section holds the issue's rows (shm 16 MiB / memcpy,
-shm 64 KiB / shm 16 MiB, tcp 16 MiB / Mooncake) with the ratio's median and extremes.
+when ``mooncake-transfer-engine-non-cuda`` is installed (set ``MC_TCP_BIND_ADDRESS=127.0.0.1``),
+and ``socket_ceiling`` (a bare loopback TCP stream between two processes, no framing or
+checksum) bounds every TCP transfer here. The in-process baselines and the socket ceiling live
+in ``bench.transfer_baselines``. Prints one JSON object whose ``goals`` section holds the
+issue's rows (shm 16 MiB / memcpy, shm 64 KiB / shm 16 MiB, tcp 16 MiB / Mooncake) with the
+ratio's median and extremes, and tcp and Mooncake against the socket ceiling.
 Bounded to a few minutes on two cores.
 
 What one sample measures: the sender (this process) pushes ``--mib-per-repeat`` MiB of one
@@ -32,7 +35,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import mmap
 import os
 import statistics
 import subprocess
@@ -42,6 +44,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from bench.transfer_baselines import memcpy_baselines, socket_receiver, socket_sender_gbps
 
 SIZES_BYTES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
 MOONCAKE_SIZES = ("1MiB", "16MiB")
@@ -189,83 +193,6 @@ class Child:
         self.stderr.close()
 
 
-def memcpy_gbps(size: int, total_bytes: int, repeats: int) -> list[float]:
-    """``numpy.copyto`` of ``total_bytes`` in ``size`` pieces between the same two ``size``
-    buffers (the issue's baseline; both stay in cache, so at 16 MiB it is an upper bound)."""
-    src = np.ones(size, dtype=np.uint8)
-    dst = np.ones(size, dtype=np.uint8)
-    count = total_bytes // size
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(count):
-            np.copyto(dst, src)
-        samples.append(count * size / (time.perf_counter() - start) / 1e9)
-    return samples
-
-
-def streaming_memcpy_gbps(size: int, total_bytes: int, repeats: int) -> list[float]:
-    """``numpy.copyto`` of the bytes one transfer sample moves: ``total_bytes`` of distinct
-    source into distinct destination, in ``size`` pieces, in one process."""
-    src = np.ones(total_bytes, dtype=np.uint8)
-    dst = np.ones(total_bytes, dtype=np.uint8)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for offset in range(0, total_bytes, size):
-            np.copyto(dst[offset : offset + size], src[offset : offset + size])
-        samples.append(total_bytes / (time.perf_counter() - start) / 1e9)
-    return samples
-
-
-def one_copy_gbps(size: int, total_bytes: int, repeats: int, verify: bool) -> list[float]:
-    """The work of one direct shm transfer of ``total_bytes`` in ``size`` frames, without the
-    transfer: each frame ``copy_with_checksum``-ed from a distinct source into distinct
-    shareable memory (the sender) and, with ``verify``, checksummed there (the receiver), all
-    in this thread."""
-    from kvstore.transfer.direct import checksum_of, copy_with_checksum
-    from kvstore.transfer.frames import default_checksum_algo
-
-    algo = default_checksum_algo()
-    src = np.ones(total_bytes, dtype=np.uint8)
-    fd = os.memfd_create("tidekv-bench-one-copy", os.MFD_CLOEXEC)  # as engine.memory.shareable_zeros
-    try:
-        os.ftruncate(fd, total_bytes)
-        mapping = mmap.mmap(fd, total_bytes, flags=mmap.MAP_SHARED)
-    finally:
-        os.close(fd)
-    dst = np.frombuffer(mapping, dtype=np.uint8)
-    dst[:] = 0  # the transfer's warmup request has touched every page of the pool too
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for offset in range(0, total_bytes, size):
-            frame = dst[offset : offset + size]
-            crc = copy_with_checksum(algo, [memoryview(src[offset : offset + size])], [frame])
-            if verify and checksum_of(algo, [memoryview(frame)]) != crc:
-                raise AssertionError("the one-copy baseline's checksums differ")
-        samples.append(total_bytes / (time.perf_counter() - start) / 1e9)
-    del dst, frame  # views pin the mapping
-    mapping.close()
-    return samples
-
-
-def memcpy_baselines(total_bytes: int, repeats: int) -> dict[str, dict[str, list[float]]]:
-    """Samples of every in-process baseline, by baseline and size."""
-    return {
-        "memcpy_numpy_copyto": {name: memcpy_gbps(size, total_bytes, repeats) for name, size in SIZES_BYTES.items()},
-        "memcpy_streaming": {
-            name: streaming_memcpy_gbps(size, total_bytes, repeats) for name, size in SIZES_BYTES.items()
-        },
-        "one_copy_sender": {
-            name: one_copy_gbps(size, total_bytes, repeats, verify=False) for name, size in SIZES_BYTES.items()
-        },
-        "one_copy_serial": {
-            name: one_copy_gbps(size, total_bytes, repeats, verify=True) for name, size in SIZES_BYTES.items()
-        },
-    }
-
-
 def send_request(tx, rid: str, rows: np.ndarray, chunk_bytes: int) -> float:
     from kvstore.transfer import Kind
 
@@ -326,6 +253,18 @@ def bench_mooncake(repeats: int, total_bytes: int) -> dict:
         receiver.finish()
 
 
+def bench_socket(repeats: int, total_bytes: int) -> dict:
+    """The socket ceiling (``transfer_baselines``) for the sizes Mooncake is measured at."""
+    sizes = {name: SIZES_BYTES[name] for name in MOONCAKE_SIZES}
+    receiver = Child("--child-socket", str(total_bytes), str(len(sizes) * repeats + 1))
+    try:
+        samples = socket_sender_gbps(int(receiver.report()), sizes, total_bytes, repeats)
+    finally:
+        receiver.finish()
+    return {"what": "sendall / recv_into over one loopback TCP connection, no framing or checksum",
+            **{name: summarize(gbps) for name, gbps in samples.items()}}
+
+
 def with_ratios(results: dict, memcpy: dict) -> dict:
     for name, row in results.items():
         if name in memcpy and isinstance(row, dict) and "median_gbps" in row:
@@ -354,6 +293,10 @@ def goals(report: dict) -> dict:
         "shm_16MiB_vs_one_copy_serial": _ratio(shm.get("16MiB", {}), report["one_copy_serial"]["16MiB"], None),
         "shm_64KiB_vs_shm_16MiB": _ratio(shm.get("64KiB", {}), shm.get("16MiB", {}), 0.5),
         "tcp_16MiB_vs_mooncake_tcp": _ratio(tcp.get("16MiB", {}), report["mooncake"].get("16MiB", {}), 1.5),
+        # What bounds that goal: any TCP transfer here is below the bare socket's rate.
+        "tcp_16MiB_vs_socket_ceiling": _ratio(tcp.get("16MiB", {}), report["socket_ceiling"].get("16MiB", {}), None),
+        "socket_ceiling_vs_mooncake_tcp": _ratio(report["socket_ceiling"].get("16MiB", {}),
+                                                 report["mooncake"].get("16MiB", {}), None),
     }
 
 
@@ -364,7 +307,7 @@ def run(args: argparse.Namespace) -> dict:
     total_bytes = args.mib_per_repeat << 20
     loadavg_before = os.getloadavg()
     # The baselines are sampled before and after the backends, so drifting load hits both sides.
-    before = memcpy_baselines(total_bytes, (args.repeats + 1) // 2)
+    before = memcpy_baselines(SIZES_BYTES, total_bytes, (args.repeats + 1) // 2)
     report: dict = {
         "bytes_per_sample": total_bytes,
         "checksum": default_checksum_algo().name.lower(),
@@ -377,7 +320,8 @@ def run(args: argparse.Namespace) -> dict:
             continue
         report["backends"][backend] = bench_backend(backend, args.repeats, total_bytes)
     report["mooncake"] = bench_mooncake(args.repeats, total_bytes)
-    after = memcpy_baselines(total_bytes, (args.repeats + 1) // 2)
+    report["socket_ceiling"] = bench_socket(args.repeats, total_bytes)
+    after = memcpy_baselines(SIZES_BYTES, total_bytes, (args.repeats + 1) // 2)
     for baseline, by_size in before.items():
         report[baseline] = {name: summarize(gbps + after[baseline][name]) for name, gbps in by_size.items()}
     memcpy = report["memcpy_numpy_copyto"]
@@ -400,11 +344,14 @@ def main() -> None:
     parser.add_argument("--backends", default="shm,shm-ring,tcp,ucx")
     parser.add_argument("--child-receive", nargs=3, metavar=("BACKEND", "BYTES", "PLAN"), help=argparse.SUPPRESS)
     parser.add_argument("--child-mooncake", nargs=2, metavar=("ROLE", "ARG"), help=argparse.SUPPRESS)
+    parser.add_argument("--child-socket", nargs=2, metavar=("BYTES", "SAMPLES"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_receive:
         child_receive(args.child_receive[0], int(args.child_receive[1]), json.loads(args.child_receive[2]))
     elif args.child_mooncake:
         child_mooncake(*args.child_mooncake)
+    elif args.child_socket:
+        socket_receiver(int(args.child_socket[0]), int(args.child_socket[1]))
     else:
         started = time.perf_counter()
         report = run(args)

@@ -1,0 +1,134 @@
+"""The in-process baselines and the socket ceiling of ``bench.transfer`` (see its docstring):
+plain memory copies, the one-copy shm transfer's own work without the transfer, and a bare
+loopback TCP stream between two processes (``sendall`` / ``recv_into``, no framing, no
+checksum), the most any TCP transfer here can move.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import time
+
+import numpy as np
+
+SOCKET_BUFFER_BYTES = 4 << 20  # as kvstore.transfer.tcp.tune_socket
+
+
+def memcpy_gbps(size: int, total_bytes: int, repeats: int) -> list[float]:
+    """``numpy.copyto`` of ``total_bytes`` in ``size`` pieces between the same two ``size``
+    buffers (the issue's baseline; both stay in cache, so at 16 MiB it is an upper bound)."""
+    src = np.ones(size, dtype=np.uint8)
+    dst = np.ones(size, dtype=np.uint8)
+    count = total_bytes // size
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(count):
+            np.copyto(dst, src)
+        samples.append(count * size / (time.perf_counter() - start) / 1e9)
+    return samples
+
+
+def streaming_memcpy_gbps(size: int, total_bytes: int, repeats: int) -> list[float]:
+    """``numpy.copyto`` of the bytes one transfer sample moves: ``total_bytes`` of distinct
+    source into distinct destination, in ``size`` pieces, in one process."""
+    src = np.ones(total_bytes, dtype=np.uint8)
+    dst = np.ones(total_bytes, dtype=np.uint8)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for offset in range(0, total_bytes, size):
+            np.copyto(dst[offset : offset + size], src[offset : offset + size])
+        samples.append(total_bytes / (time.perf_counter() - start) / 1e9)
+    return samples
+
+
+def one_copy_gbps(size: int, total_bytes: int, repeats: int, verify: bool) -> list[float]:
+    """The work of one direct shm transfer of ``total_bytes`` in ``size`` frames, without the
+    transfer: each frame ``copy_with_checksum``-ed from a distinct source into distinct
+    shareable memory (the sender) and, with ``verify``, checksummed there (the receiver), all
+    in this thread."""
+    from kvstore.transfer.direct import checksum_of, copy_with_checksum
+    from kvstore.transfer.frames import default_checksum_algo
+
+    algo = default_checksum_algo()
+    src = np.ones(total_bytes, dtype=np.uint8)
+    fd = os.memfd_create("tidekv-bench-one-copy", os.MFD_CLOEXEC)  # as engine.memory.shareable_zeros
+    try:
+        os.ftruncate(fd, total_bytes)
+        mapping = mmap.mmap(fd, total_bytes, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+    dst = np.frombuffer(mapping, dtype=np.uint8)
+    dst[:] = 0  # the transfer's warmup request has touched every page of the pool too
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for offset in range(0, total_bytes, size):
+            frame = dst[offset : offset + size]
+            crc = copy_with_checksum(algo, [memoryview(src[offset : offset + size])], [frame])
+            if verify and checksum_of(algo, [memoryview(frame)]) != crc:
+                raise AssertionError("the one-copy baseline's checksums differ")
+        samples.append(total_bytes / (time.perf_counter() - start) / 1e9)
+    del dst, frame  # views pin the mapping
+    mapping.close()
+    return samples
+
+
+def memcpy_baselines(sizes: dict[str, int], total_bytes: int, repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Samples of every in-process baseline, by baseline and size."""
+    return {
+        "memcpy_numpy_copyto": {name: memcpy_gbps(size, total_bytes, repeats) for name, size in sizes.items()},
+        "memcpy_streaming": {name: streaming_memcpy_gbps(size, total_bytes, repeats) for name, size in sizes.items()},
+        "one_copy_sender": {
+            name: one_copy_gbps(size, total_bytes, repeats, verify=False) for name, size in sizes.items()
+        },
+        "one_copy_serial": {
+            name: one_copy_gbps(size, total_bytes, repeats, verify=True) for name, size in sizes.items()
+        },
+    }
+
+
+def socket_receiver(total_bytes: int, samples: int) -> None:
+    """Child: accepts one loopback connection (its port is the first stdout line), then
+    ``samples`` times receives ``total_bytes`` into one buffer and answers one byte."""
+    server = socket.create_server(("127.0.0.1", 0))
+    print(server.getsockname()[1], flush=True)
+    conn, _ = server.accept()
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+    view = memoryview(bytearray(total_bytes))
+    for _ in range(samples):
+        got = 0
+        while got < total_bytes:
+            n = conn.recv_into(view[got:])
+            if n == 0:
+                raise ConnectionError("the sender closed early")
+            got += n
+        conn.sendall(b"k")
+    conn.close()
+    server.close()
+
+
+def socket_sender_gbps(port: int, sizes: dict[str, int], total_bytes: int, repeats: int) -> dict[str, list[float]]:
+    """This process's side of the socket ceiling: per size, ``repeats`` samples of
+    ``total_bytes`` in ``sendall`` calls of that size, each timed until the receiver's byte
+    (one warm-up sample first). The receiver must expect ``(len(sizes) * repeats + 1)``."""
+    conn = socket.create_connection(("127.0.0.1", port))
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+    source = memoryview(np.ones(total_bytes, dtype=np.uint8))
+    out: dict[str, list[float]] = {}
+    try:
+        for name, size in [("warmup", 1 << 20), *sizes.items()]:
+            for _ in range(1 if name == "warmup" else repeats):
+                start = time.perf_counter()
+                for offset in range(0, total_bytes, size):
+                    conn.sendall(source[offset : offset + size])
+                if conn.recv(1) != b"k":
+                    raise ConnectionError("the socket receiver did not answer")
+                if name != "warmup":
+                    out.setdefault(name, []).append(total_bytes / (time.perf_counter() - start) / 1e9)
+    finally:
+        conn.close()
+    return out
