@@ -17,8 +17,12 @@ of both windows, timed by each window's prefill fit; the two decode step scales)
 from 1 means the live cluster ran at another speed in one window than in the other, which a fit
 on the other window cannot know, so it bounds what the judge can show. ``host_load_1m`` is the
 host's load average before and after the live run. ``--keep DIR`` keeps the calibration, the
-reports and the load; ``--reuse DIR`` simulates again against a kept live run (no cluster, no
-calibration). Run it on a quiet machine: the live cluster shares its cores with everything.
+reports, the load and the run's parameters; ``--reuse DIR`` simulates again against a kept
+live run, at its rate (no cluster, no calibration). ``live_prefill_load`` is each window's
+back-to-back prefill seconds over its arrival span: at or above 1 the queue grows through the
+window and its TTFT hangs on every percent of prefill speed, so judge at a rate that keeps it
+below (``--rate-scale``). Run it on a quiet machine: the live cluster shares its cores with
+everything.
 
 Usage: python -m bench.fidelity [--quick] [--requests 80] [--rate-scale 1.0] [--keep DIR | --reuse DIR]
 """
@@ -54,6 +58,7 @@ TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
 SECOND_WINDOW_START = 3840
 BLOCK, SNAPSHOT_EVERY, PREFILL_PAGES, DECODE_PAGES = 16, 2, 2048, 4096
 GOAL = 0.15
+DEFAULT_REQUESTS = 80
 METRICS = ("ttft_p50_s", "ttft_p90_s", "tbt_p50_s", "tbt_p90_s")
 GOAL_METRICS = ("ttft_p50_s", "ttft_p90_s", "tbt_p50_s")  # the issue's; TBT p90 is reported beside them
 
@@ -94,6 +99,34 @@ def calibrate_and_run_live(transform: TraceTransform, calibration: Path, grid: s
     load["after_live"] = os.getloadavg()[0]
     (work / "host_load.json").write_text(json.dumps(load) + "\n")
     return live, load
+
+
+def run_parameters(args: argparse.Namespace, work: Path) -> tuple[int, float]:
+    """(requests per window, rate scale): the flags', or with ``--reuse`` the kept run's
+    (``run.json``; a flag that contradicts it is an error: the live records are at its rate)."""
+    kept = work / "run.json"
+    chosen = {"requests": 30 if args.quick else (args.requests or DEFAULT_REQUESTS),
+              "rate_scale": args.rate_scale or 1.0}
+    if args.reuse and kept.exists():
+        saved = json.loads(kept.read_text())
+        for name, flag in (("requests", args.requests), ("rate_scale", args.rate_scale)):
+            if flag is not None and flag != saved[name]:
+                raise SystemExit(f"--{name.replace('_', '-')} {flag}: the kept run in {work} has {saved[name]}")
+        chosen = saved
+    elif not args.reuse:
+        kept.write_text(json.dumps(chosen) + "\n")
+    return chosen["requests"], chosen["rate_scale"]
+
+
+def prefill_load(live: list[RequestRecord], window: range) -> dict:
+    """The window's back-to-back prefill seconds over its arrival span: the least busy share
+    of the prefill worker the arrivals asked for. Near or above 1 the queue grows through the
+    window, and its TTFT turns on every percent of prefill speed (the judge is ill-conditioned)."""
+    records = sorted((r for r in live if r.index in window), key=lambda r: r.arrival_s)
+    span_s = records[-1].arrival_s - records[0].arrival_s if len(records) > 1 else 0.0
+    busy_s = sum(s for *_, s in prefill_observations(records))
+    return {"arrival_span_s": round(span_s, 2), "back_to_back_prefill_s": round(busy_s, 2),
+            "load": round(busy_s / span_s, 3) if span_s else None}
 
 
 def kept_live(work: Path) -> tuple[list[RequestRecord], dict | None]:
@@ -143,18 +176,19 @@ def compare(live: list[RequestRecord], sim: list[RequestRecord], window: range) 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--requests", type=int, default=80, help="requests in each of the two windows")
-    p.add_argument("--rate-scale", type=float, default=1.0)
+    p.add_argument("--requests", type=int, default=None, help=f"requests in each of the two windows "
+                   f"(default {DEFAULT_REQUESTS})")
+    p.add_argument("--rate-scale", type=float, default=None, help="arrival rate factor (default 1.0)")
     p.add_argument("--keep", default="", help="keep the calibration and the reports here")
     p.add_argument("--reuse", default="", help="a --keep directory: simulate against its live run again")
     args = p.parse_args()
-    n = 30 if args.quick else args.requests
-    first, second = range(SECOND_WINDOW_START - n, SECOND_WINDOW_START), range(SECOND_WINDOW_START,
-                                                                              SECOND_WINDOW_START + n)
-    transform = TraceTransform(block_size=BLOCK, output_scale=0.1, max_output_tokens=32, rate_scale=args.rate_scale,
-                               index_start=first.start, index_end=second.stop)
     work = Path(args.reuse or args.keep or tempfile.mkdtemp(prefix="tidekv-fidelity-"))
     work.mkdir(parents=True, exist_ok=True)
+    n, rate_scale = run_parameters(args, work)
+    first, second = range(SECOND_WINDOW_START - n, SECOND_WINDOW_START), range(SECOND_WINDOW_START,
+                                                                              SECOND_WINDOW_START + n)
+    transform = TraceTransform(block_size=BLOCK, output_scale=0.1, max_output_tokens=32, rate_scale=rate_scale,
+                               index_start=first.start, index_end=second.stop)
     calibration = work / "calibration.json"
     live, load = (kept_live(work) if args.reuse else
                   calibrate_and_run_live(transform, calibration, "smoke" if args.quick else "quick", work))
@@ -180,7 +214,7 @@ def main() -> None:
                            **compare(live, sim, fit_window)},
         }
     out = {
-        "trace": f"{TRACE.name} requests {first.start}..{second.stop} in one live run, rate x{args.rate_scale}, "
+        "trace": f"{TRACE.name} requests {first.start}..{second.stop} in one live run, rate x{rate_scale}, "
                  f"block {BLOCK}, 1 prefill + 1 decode worker",
         "calibration": {"grid": costs.info.grid, "how": "tidekv calibrate on this machine before the live run"},
         "how_overheads_were_obtained": "fitted on the live per-request records of one window (replay.sim.fit: "
@@ -189,6 +223,7 @@ def main() -> None:
                                        "on the other window's requests",
         "folds": folds,
         "between_windows": between_windows(live, fits, costs),
+        "live_prefill_load": {name: prefill_load(live, w) for name, w in windows.items()},
         "host_load_1m": load,
         "calibrated_engine_only": {name: compare(live, baseline, w) for name, w in windows.items()},
         "goal_abs_relative_error": GOAL, "reports": str(work) if args.keep or args.reuse else None,
