@@ -85,6 +85,11 @@ class StageClock:
         self.seconds[stage] += now - self._mark
         self._mark = now
 
+    @property
+    def last_lap_s(self) -> float:
+        """``time.perf_counter()`` at the last lap (or at the start)."""
+        return self._mark
+
 
 @dataclass
 class Reuse:
@@ -195,7 +200,7 @@ class PrefillRunner:
 
     @torch.inference_mode()
     def _run_locked(self, job: PrefillJob, is_cancelled: Callable[[], bool], clock: StageClock) -> PrefillOutcome:
-        t0 = time.perf_counter()
+        t0 = clock.last_lap_s  # the engine lock was taken: the prefill's stages start here
         reuse, seq, sender = Reuse(), None, None
         try:
             self._plan_reuse(job, reuse)

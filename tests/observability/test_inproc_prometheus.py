@@ -104,9 +104,9 @@ def test_counters_agree_with_what_the_client_saw(scraped) -> None:
 
 
 def test_prefill_stages_add_up_to_the_prefill(scraped) -> None:
-    """Every prefill charges its wall time to exactly one stage at a time: the stages' sums
-    make up the prefill's (to the reserve before the first lap and the response after the
-    last), and compute is most of a cold prefill here."""
+    """Every prefill charges its wall time to exactly one stage at a time: past the queue, the
+    stages' sums make up the prefill's, which starts at the same lap (the response after the
+    last lap is the only part left out), and compute is most of a cold prefill here."""
     client = scraped.client
 
     def value(expr: str) -> float:
