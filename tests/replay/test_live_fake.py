@@ -132,14 +132,17 @@ def test_interrupt_cancels_in_flight_and_unsent_requests(hanging):
     reqs = requests(2) + [ReplayRequest(request_id=f"t{i}", index=i, arrival_s=60.0, prompt_len=1,
                                         prompt_ids=(1,), max_tokens=2)
                           for i in range(2, 5)]
-    # A real SIGINT (Ctrl-C) while two requests hang and three wait for their arrival time.
+    # A real SIGINT (Ctrl-C) while two requests hang and three wait for their arrival time,
+    # under Python's own Ctrl-C handler (a library an earlier test loaded may have left another).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     try:
         result = run_live_replay(reqs, hanging, max_concurrency=4, timeout_s=30, progress=False)
     finally:
         timer.cancel()
-    assert [r.outcome for r in result.records] == ["cancelled"] * 5
+        signal.signal(signal.SIGINT, previous)
+    assert [r.outcome for r in result.records] == ["cancelled"] * 5, [(r.outcome, r.error) for r in result.records]
     assert result.summary.counts.cancelled == 5 and result.summary.run["interrupted"] is True
 
 
