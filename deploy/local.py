@@ -22,7 +22,6 @@ import secrets
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,16 +40,11 @@ from proto import internal_pb2_grpc as igrpc
 from runtime.auth import OPERATOR, Member
 from runtime.certs import make_certs
 from runtime.grpc_server import TlsFiles
+from runtime.ports import free_port
 
 log = logging.getLogger(__name__)
 
 WORKERS_POLL_S = 2.0  # how often the state file's worker loads are refreshed from the registry
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -24,6 +23,8 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from runtime.ports import free_port
 
 RULES_PATH = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "rules.yml"
 JOB = "tidekv"
@@ -119,12 +120,6 @@ class PrometheusClient:
             return False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LocalPrometheus:
     """A ``prometheus`` process on 127.0.0.1 with temporary storage; use as a context manager."""
 
@@ -134,7 +129,7 @@ class LocalPrometheus:
             raise FileNotFoundError(f"{binary} not found (Debian: apt-get install -y prometheus)")
         self.dir = Path(tempfile.mkdtemp(prefix="tidekv-prometheus-"))
         (self.dir / "prometheus.yml").write_text(config_text)
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.client = PrometheusClient(self.url)
         self._log = open(self.dir / "prometheus.log", "w")  # noqa: SIM115 - closed by stop()
