@@ -14,7 +14,7 @@ import socket
 import threading
 from pathlib import Path
 
-LOWEST_PORT = 10_000
+LOWEST_PORT = 20_000  # above Ray's default worker ports (10002-19999) and the usual service ports
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 DEFAULT_EPHEMERAL_RANGE = (32_768, 60_999)  # Linux's default
 TRIES = 200
