@@ -2,9 +2,10 @@
 
 A port picked by binding port 0 comes from the kernel's ephemeral range, which outgoing
 connections draw from too: between the pick and the server's own bind, any client on the host
-can take it (``Address already in use``). ``free_port`` picks below that range instead, where
-only an explicit bind can land, tests that nothing listens there, and never hands out the same
-port twice in one process.
+can take it (``Address already in use``). ``free_port`` picks outside that range instead (in
+the larger span left, from ``LOWEST_PORT`` up to it with Linux's default range), where only an
+explicit bind can land; it tests that the port binds and never hands the same one out twice in
+one process.
 """
 
 from __future__ import annotations
