@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-SOCKET_BUFFER_BYTES = 4 << 20  # as kvstore.transfer.tcp.tune_socket
+from kvstore.transfer.tcp import SOCKET_BUFFER_BYTES  # the tcp backend's kernel buffers
 
 
 def memcpy_gbps(size: int, total_bytes: int, repeats: int) -> list[float]:

@@ -47,11 +47,10 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port on ``host`` that nothing is bound to now and that no outgoing connection will
     take (outside the ephemeral range); a port-0 pick if none is found in ``TRIES`` tries."""
     low, high = ephemeral_range()
-    spans = [(LOWEST_PORT, low - 1), (high + 1, 65_535)]
-    spans = [(a, b) for a, b in spans if b >= a]
+    spans = [(a, b) for a, b in ((LOWEST_PORT, low - 1), (high + 1, 65_535)) if b >= a]
+    a, b = max(spans, key=lambda span: span[1] - span[0]) if spans else (0, -1)
     with _lock:
         for _ in range(TRIES if spans else 0):
-            a, b = max(spans, key=lambda span: span[1] - span[0])
             port = _rng.randint(a, b)
             if port not in _handed_out and _bindable(host, port):
                 _handed_out.add(port)
