@@ -12,14 +12,14 @@ carry over from the first to the second window in both.
 Prints one JSON object (progress on stderr): live and simulated TTFT p50/p90 and TBT p50/p90 of
 each window, their ratio and relative error (goal: TTFT p50 and p90 and TBT p50 within 15%;
 Vidur reports under 9% on real GPUs), and the overheads with how they were obtained.
-``between_windows`` puts the two fits side by side on the same work (every back-to-back prefill
+``between_windows`` puts the two fits side by side on the same work (every timed prefill
 of both windows, timed by each window's prefill fit; the two decode step scales): a ratio away
 from 1 means the live cluster ran at another speed in one window than in the other, which a fit
 on the other window cannot know, so it bounds what the judge can show. ``host_load_1m`` is the
 host's load average before and after the live run. ``--keep DIR`` keeps the calibration, the
 reports, the load and the run's parameters; ``--reuse DIR`` simulates again against a kept
 live run, at its rate (no cluster, no calibration). ``live_prefill_load`` is each window's
-back-to-back prefill seconds over its arrival span: at or above 1 the queue grows through the
+prefill worker seconds over its arrival span: at or above 1 the queue grows through the
 window and its TTFT hangs on every percent of prefill speed, so judge at a rate that keeps it
 below (``--rate-scale``). Run it on a quiet machine: the live cluster shares its cores with
 everything.
@@ -119,13 +119,13 @@ def run_parameters(args: argparse.Namespace, work: Path) -> tuple[int, float]:
 
 
 def prefill_load(live: list[RequestRecord], window: range) -> dict:
-    """The window's back-to-back prefill seconds over its arrival span: the least busy share
-    of the prefill worker the arrivals asked for. Near or above 1 the queue grows through the
-    window, and its TTFT turns on every percent of prefill speed (the judge is ill-conditioned)."""
+    """The window's prefill worker seconds over its arrival span: the share of the prefill
+    worker the arrivals asked for. Near or above 1 the queue grows through the window, and
+    its TTFT turns on every percent of prefill speed (the judge is ill-conditioned)."""
     records = sorted((r for r in live if r.index in window), key=lambda r: r.arrival_s)
     span_s = records[-1].arrival_s - records[0].arrival_s if len(records) > 1 else 0.0
     busy_s = sum(s for *_, s in prefill_observations(records))
-    return {"arrival_span_s": round(span_s, 2), "back_to_back_prefill_s": round(busy_s, 2),
+    return {"arrival_span_s": round(span_s, 2), "prefill_worker_s": round(busy_s, 2),
             "load": round(busy_s / span_s, 3) if span_s else None}
 
 
@@ -147,7 +147,8 @@ def between_windows(live: list[RequestRecord], fits: dict[str, OverheadFit], cos
     """The two windows' fits on the same work (see the module docstring): second / first."""
     work = prefill_observations(live)
     first, second = (fits[w].overheads for w in ("first", "second"))
-    total = {name: sum(o.live_prefill(costs).prefill_s(n, p) for n, p, _ in work)
+    total = {name: sum(o.live_prefill(costs).prefill_s(n, p) + o.reuse_load_s_per_token * loaded
+                       for n, p, loaded, _ in work)
              for name, o in (("first", first), ("second", second))}
     return {"num_prefills": len(work),
             "prefill_time_ratio": total["second"] / total["first"] if total["first"] else None,
@@ -218,7 +219,7 @@ def main() -> None:
                  f"block {BLOCK}, 1 prefill + 1 decode worker",
         "calibration": {"grid": costs.info.grid, "how": "tidekv calibrate on this machine before the live run"},
         "how_overheads_were_obtained": "fitted on the live per-request records of one window (replay.sim.fit: "
-                                       "back-to-back first-token gaps for the prefill terms, token gaps against "
+                                       "the prefill workers' own times for the prefill terms, token gaps against "
                                        "the calibrated step and the events in them for the decode terms), judged "
                                        "on the other window's requests",
         "folds": folds,

@@ -47,21 +47,23 @@ class ClientStream:
         self.ended = False  # the outcome was reported (or the caller reports it)
         self.cached_tier = "unknown"  # where the first prefill's reused prefix came from
         self.predicted = Prediction()  # of the decision that made (or tried to make) the first token
-        self._cached = 0  # prompt tokens the first prefill reused
+        self._cached = self._loaded = 0  # prompt tokens the first prefill reused, and copied in of those
+        self._prefill_worker_s = 0.0  # the first prefill as its worker timed it
         self._detok = Detokenizer(tokenizer)
         self._unreported = 0  # token intervals at the end of t.intervals not yet given to the metrics
 
     def first(self, decision: RouteDecision, result: PrefillResult) -> pb.GenerateResponse:
         """The first token's message (TTFT); names the workers and the route."""
         self.t.first_token = self.t.last_token = self.clock.now()
-        self._cached = result.cached_tokens
+        self._cached, self._loaded = result.cached_tokens, result.loaded_tokens
+        self._prefill_worker_s = result.prefill_s
         self.metrics.first_token(self.req.tenant, self.t.first_token - self.t.arrival,
                                  self.t.prefill_start - self.t.arrival, len(self.req.prompt_ids), result.cached_tokens,
                                  self.cached_tier)
         self.tokens.append(result.first_token)
         text = self._detok.push((result.first_token,))
         usage = pb.Usage(prompt_tokens=len(self.req.prompt_ids), cached_tokens=result.cached_tokens,
-                         completion_tokens=1)
+                         completion_tokens=1, loaded_cached_tokens=result.loaded_tokens)
         return pb.GenerateResponse(request_id=self.request_id, token_ids=self.tokens, text=text,
                                    usage=usage, prefill_worker=decision.prefill_worker,
                                    decode_worker=decision.decode_worker, pulled_from=decision.reuse.holder or "",
@@ -94,9 +96,10 @@ class ClientStream:
             total_s=now - t.arrival,
             decode_tokens_per_s=(len(tokens) - 1) / decode_s if decode_s > 0 and len(tokens) > 1 else 0.0,
             predicted_ttft_s=self.predicted.ttft_s, predicted_tbt_s=self.predicted.tbt_s,
+            prefill_worker_s=self._prefill_worker_s,
         )
         usage = pb.Usage(prompt_tokens=len(self.req.prompt_ids), cached_tokens=self._cached,
-                         completion_tokens=len(tokens))
+                         completion_tokens=len(tokens), loaded_cached_tokens=self._loaded)
         return pb.GenerateResponse(request_id=self.request_id, finish_reason=reason, usage=usage, timing=timing,
                                    error=error, text=self._detok.flush())
 

@@ -104,8 +104,9 @@ class PrefillCall:
 class PrefillResult:
     first_token: int
     cached_tokens: int
-    prefill_s: float
+    prefill_s: float  # the worker's own time for it
     events: tuple[BlockEvent, ...]  # blocks the prefill stored, for the index
+    loaded_tokens: int = 0  # of cached_tokens, those copied into pages (the rest reused in place)
 
 
 @dataclass(frozen=True)

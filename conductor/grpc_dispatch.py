@@ -142,7 +142,7 @@ class GrpcDispatcher:
         except grpc.FutureCancelledError as e:
             raise DispatchError(FailureKind.CANCELLED, prefill_worker, "prefill cancelled") from e
         events = tuple(block_event_from_proto(prefill_worker, e) for e in resp.events)
-        return PrefillResult(resp.first_token, resp.cached_tokens, resp.prefill_s, events)
+        return PrefillResult(resp.first_token, resp.cached_tokens, resp.prefill_s, events, resp.loaded_tokens)
 
     def _reuse_plan(self, prefill_worker: str, call: PrefillCall) -> ipb.ReusePlan:
         """The plan, with the grant that lets ``prefill_worker`` (and only it, to its own

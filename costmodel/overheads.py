@@ -6,13 +6,16 @@ for the processes around it, and the simulator models those costs with this valu
 (``replay.sim``); the Conductor's policies keep predicting from the calibration alone, as
 the live Conductor does. Where each term lies in a request's life::
 
-    arrival ─ dispatch_s ─► prefill queue ─► worker time ─────────────► first token ─ decode join ─► batch
-              (route, Reserve       prefill_coefficients (the calibration's    (Decode RPC, KV
-               and Prefill RPCs)    formula, refitted on the live worker: the  verified, joins at
-                                    KV push, the decode worker's verdict, the  a step boundary)
-                                    store, the cores it shares)
-                                    at its start it pushes its reused rows to the decode worker,
-                                    whose loop pauses decode_stall_s_per_reused_token per row
+    arrival ─ dispatch_s ─► prefill queue ─► worker time ─► first_token_delay_s ─► first token ─ decode join ─► batch
+
+    dispatch_s: the route, the Reserve and Prefill RPCs;
+    worker time: prefill_coefficients (the calibration's formula, refitted on the live
+      worker: the KV push, the decode worker's verdict, the store, the cores it shares), plus
+      reuse_load_s_per_token for each reused token copied into pages rather than reused in
+      place; at its start the worker pushes its reused rows to the decode worker, whose loop
+      pauses decode_stall_s_per_reused_token per row;
+    first_token_delay_s: the Prefill response, the Conductor and the client's stream;
+    decode join: the Decode RPC, the KV verified, a step boundary;
     every decode step: decode_step_scale * decode_step_s(batch, context)
     the decode join: a delay drawn from decode_join_quantiles_s
     every token after the first: reaches the client delivery_delay_s later (two streamed
@@ -50,8 +53,8 @@ from costmodel.model import PREFILL_TERMS, CostModels
 
 FORMAT_NAME = "tidekv-overheads"
 FORMAT_VERSION = 1
-_SECONDS = ("dispatch_s", "decode_stall_s_per_reused_token", "decode_stall_s_per_prefill",
-            "decode_stall_s_per_arrival")
+_SECONDS = ("dispatch_s", "reuse_load_s_per_token", "first_token_delay_s", "decode_stall_s_per_reused_token",
+            "decode_stall_s_per_prefill", "decode_stall_s_per_arrival")
 _QUANTILES = ("decode_join_quantiles_s", "delivery_delay_quantiles_s")
 
 
@@ -59,7 +62,11 @@ _QUANTILES = ("decode_join_quantiles_s", "delivery_delay_quantiles_s")
 class ClusterOverheads:
     """See the module docstring for where each term applies. Seconds; ``decode_step_scale`` is a
     factor on the calibrated step. ``prefill_coefficients``: the live worker's prefill time in
-    ``CostModels.prefill_s``'s formula, in ``PREFILL_TERMS`` order (empty: the calibration's).
+    ``CostModels.prefill_s``'s formula, in ``PREFILL_TERMS`` order (empty: the calibration's);
+    ``reuse_load_s_per_token``: what a reused token copied into pages (from DRAM, SSD or a
+    pull) costs beyond one reused in place, on the device tier (its payload copied and
+    checked); ``first_token_delay_s``: from the worker's end of a prefill to its first token
+    at the client.
     ``decode_join_quantiles_s``, ``delivery_delay_quantiles_s``: those delays' quantiles at
     evenly spaced probabilities ``(i + 0.5) / len`` (``quantile``; empty: no delay; one value:
     always that delay). ``source``: how the values were obtained (a fit names
@@ -67,6 +74,8 @@ class ClusterOverheads:
 
     dispatch_s: float = 0.0
     prefill_coefficients: tuple[float, ...] = ()
+    reuse_load_s_per_token: float = 0.0
+    first_token_delay_s: float = 0.0
     decode_join_quantiles_s: tuple[float, ...] = ()
     decode_step_scale: float = 1.0
     decode_stall_s_per_reused_token: float = 0.0

@@ -115,6 +115,7 @@ class PrefillOutcome:
     first_token: int
     cached_tokens: int
     prefill_s: float
+    loaded_tokens: int = 0  # of cached_tokens, those copied into pages (the rest reused in place)
 
 
 class PrefillRunner:
@@ -217,7 +218,8 @@ class PrefillRunner:
             prefill_s = time.perf_counter() - t0
             self.metrics.prefilled(len(job.token_ids) - cached, cached, prefill_s)
             self.metrics.stages(clock.seconds)
-            return PrefillOutcome(first, cached, prefill_s)
+            loaded = max(0, cached - len(reuse.in_place) * self.cache.block_size)
+            return PrefillOutcome(first, cached, prefill_s, loaded)
         except BaseException as e:
             if sender is not None:
                 # Wait until the decode worker has handled the ABORT (and every frame before it):

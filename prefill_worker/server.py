@@ -82,7 +82,8 @@ class PrefillService(igrpc.PrefillServicer):
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return ipb.PrefillResponse(first_token=out.first_token, cached_tokens=out.cached_tokens,
-                                   prefill_s=out.prefill_s, events=self.events.drain())
+                                   prefill_s=out.prefill_s, events=self.events.drain(),
+                                   loaded_tokens=out.loaded_tokens)
 
     def PushBlocks(self, request: ipb.PushBlocksRequest, context: grpc.ServicerContext) -> ipb.PushBlocksResponse:
         keys = list(request.block_keys)

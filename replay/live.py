@@ -88,11 +88,14 @@ class _Stream:
                 f[name] = getattr(msg, name)
         if msg.HasField("usage") and msg.usage.prompt_tokens:
             f["prompt_tokens"], f["cached_tokens"] = msg.usage.prompt_tokens, msg.usage.cached_tokens
+            f["loaded_cached_tokens"] = msg.usage.loaded_cached_tokens
         if msg.finish_reason:
             self.num_terminal += 1
             self.terminal, self.error = msg.finish_reason, msg.error
             if msg.HasField("timing"):
                 f["queue_s"] = msg.timing.queue_s
+                if msg.timing.prefill_worker_s:
+                    f["prefill_worker_s"] = msg.timing.prefill_worker_s
                 for name in ("predicted_ttft_s", "predicted_tbt_s"):
                     if getattr(msg.timing, name, 0.0):
                         f[name] = getattr(msg.timing, name)

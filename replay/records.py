@@ -54,6 +54,8 @@ class RequestRecord:
     token_times_s: tuple[float, ...] = field(default=())
     prompt_tokens: int = 0  # as the server counted them (usage.prompt_tokens)
     cached_tokens: int = 0
+    loaded_cached_tokens: int = 0  # of cached_tokens, those copied in (DRAM, SSD, a pull), not reused in place
+    prefill_worker_s: float | None = None  # the prefill as its worker timed it (None: not reported)
     prefill_worker: str = ""
     decode_worker: str = ""
     route_branch: str = ""

@@ -8,15 +8,20 @@ Every estimate reads only what a live ``requests.jsonl`` holds (arrival, queue, 
 prompt and cached tokens, workers), with the calibration for the decode step:
 
 - ``dispatch_s``: the median ``queue_s`` (arrival at the Conductor to the Prefill call).
-- prefill: a worker runs one prefill at a time, so when a request was already waiting at its
-  worker as the previous one's first token came back, its worker time is the gap between the
-  two first tokens. Over those back-to-back pairs (pulls left out: their time is the link
-  model's), ``CostModels.prefill_s``'s formula is fitted again (non-negative least squares on
-  the seconds, not on relative errors: the queue a worker builds drains at the sum of its
-  prefills' times, which the many short prefills of a cached window would otherwise decide)
-  after dropping the worst pair while it is off by more than a factor of two (at most a
-  tenth of them): two responses that came back out of order give one pair far too short and
-  one far too long.
+- prefill: every prefill's worker time as its worker timed it (``prefill_worker_s``, from the
+  stream's terminal timing; pulls left out: their time is the link model's), with its new,
+  reused and copied-in tokens (``loaded_cached_tokens``: reused, but not in place). An older
+  report without the worker's time gives it for back-to-back prefills only: a worker runs
+  one prefill at a time, so when a request was already waiting at its worker as the
+  previous one's first token came back, its worker time is the gap between the two first
+  tokens. ``CostModels.prefill_s``'s formula and ``reuse_load_s_per_token`` are fitted on
+  them (non-negative least squares on the seconds, not on relative errors: the queue a
+  worker builds drains at the sum of its prefills' times, which the many short prefills of a
+  cached window would otherwise decide) after dropping the worst one while it is off by
+  more than a factor of two (at most a tenth of them): two gaps of responses that came back
+  out of order are one far too short and one far too long. ``first_token_delay_s`` is the
+  median of TTFT less the dispatch and the worker's time over the prefills that found their
+  worker idle.
 - decode: a request is in its decode worker's batch from about one step before its second
   token to its last one, which gives the batch size and context at every moment; a prefill
   starts (and pushes its reused rows) when the previous first token on its worker came back,
@@ -74,7 +79,7 @@ class OverheadFit:
     """The fitted overheads and how many observations each part rests on."""
 
     overheads: ClusterOverheads
-    num_prefills: int  # back-to-back prefills behind the prefill terms
+    num_prefills: int  # timed prefills behind the prefill terms
     num_decode_requests: int  # requests with two tokens or more behind the decode terms
     num_delays: int  # token delays behind the delivery quantiles
 
@@ -109,10 +114,29 @@ def _prefills(records: Sequence[RequestRecord]) -> list[_Prefill]:
     return out
 
 
-def prefill_observations(records: Sequence[RequestRecord]) -> list[tuple[int, int, float]]:
-    """(new tokens, reused tokens, live worker seconds) of every back-to-back prefill."""
-    return [(p.record.prompt_len - p.record.cached_tokens, p.record.cached_tokens, p.first_s - p.start_s)
-            for p in _prefills(records) if p.back_to_back and not p.record.pulled_from and p.first_s > p.start_s]
+def prefill_observations(records: Sequence[RequestRecord]) -> list[tuple[int, int, int, float]]:
+    """(new tokens, reused tokens, of those copied in, live worker seconds) of every prefill
+    that did not pull: the worker's own time where the record holds it, else (an older
+    report) the gap of a back-to-back prefill."""
+    out = []
+    for p in _prefills(records):
+        r = p.record
+        if r.pulled_from:
+            continue
+        seconds = r.prefill_worker_s if r.prefill_worker_s is not None else (
+            p.first_s - p.start_s if p.back_to_back else None)
+        if seconds is not None and seconds > 0:
+            out.append((r.prompt_len - r.cached_tokens, r.cached_tokens, r.loaded_cached_tokens, seconds))
+    return out
+
+
+def _first_token_delay_s(records: Sequence[RequestRecord]) -> float:
+    """The median of TTFT less the dispatch and the worker's own time, over the prefills that
+    found their worker idle (nothing queued before them); 0 when the records do not hold the
+    worker's time or fewer than ``MIN_PREFILLS`` found it idle."""
+    delays = [p.record.ttft_s - (p.record.queue_s or 0.0) - p.record.prefill_worker_s for p in _prefills(records)
+              if not p.back_to_back and not p.record.pulled_from and p.record.prefill_worker_s is not None]
+    return max(0.0, statistics.median(delays)) if len(delays) >= MIN_PREFILLS else 0.0
 
 
 def _plain_nnls(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
@@ -122,11 +146,12 @@ def _plain_nnls(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     return nnls(features / scale, seconds) / scale
 
 
-def _fit_prefill(observations: list[tuple[int, int, float]]) -> tuple[float, ...]:
+def _fit_prefill(observations: list[tuple[int, int, int, float]]) -> tuple[tuple[float, ...], float]:
+    """(the prefill coefficients, ``reuse_load_s_per_token``)."""
     if len(observations) < MIN_PREFILLS:
-        raise ValueError(f"{len(observations)} back-to-back prefills in the records; the fit needs at least "
-                         f"{MIN_PREFILLS} (replay a window that queues prefills)")
-    features = np.array([prefill_features(n, p) for n, p, _ in observations])
+        raise ValueError(f"{len(observations)} timed prefills in the records; the fit needs at least "
+                         f"{MIN_PREFILLS} (replay a longer window)")
+    features = np.array([[*prefill_features(n, p), loaded] for n, p, loaded, _ in observations])
     seconds = np.array([s for *_, s in observations])
     keep = np.ones(len(seconds), dtype=bool)
     # Outliers first, on a plain least-squares fit: a relative one lets a single pair measured
@@ -141,7 +166,8 @@ def _fit_prefill(observations: list[tuple[int, int, float]]) -> tuple[float, ...
         keep[worst] = False
     # Absolute errors, not relative: a queue drains at the sum of its prefills' times, so a
     # 1.5 s prefill 20% off costs every request behind it 0.3 s, a 40 ms one 8 ms.
-    return tuple(float(c) for c in _plain_nnls(features[keep], seconds[keep]))
+    *coefs, load_s_per_token = (float(c) for c in _plain_nnls(features[keep], seconds[keep]))
+    return tuple(coefs), load_s_per_token
 
 
 class _Timelines:
@@ -287,7 +313,7 @@ def fit_overheads(records: Sequence[RequestRecord], costs: CostModels, source: s
     finished = [r for r in records if r.outcome == FINISHED]
     queues = [r.queue_s for r in finished if r.queue_s is not None]
     observations = prefill_observations(records)
-    prefill = _fit_prefill(observations)
+    prefill, load_s_per_token = _fit_prefill(observations)
     lines = _Timelines(records, costs)
     scale, stalls, joins, delays = _fit_decode(lines) if lines.requests else (1.0, {}, [], [])
     probs = [100 * (i + 0.5) / num_quantiles for i in range(num_quantiles)]
@@ -297,6 +323,7 @@ def fit_overheads(records: Sequence[RequestRecord], costs: CostModels, source: s
 
     overheads = ClusterOverheads(
         dispatch_s=statistics.median(queues) if queues else 0.0, prefill_coefficients=prefill,
+        reuse_load_s_per_token=load_s_per_token, first_token_delay_s=_first_token_delay_s(records),
         decode_join_quantiles_s=quantiles(joins), decode_step_scale=scale, **stalls,
         delivery_delay_quantiles_s=quantiles(delays), source=source, num_fit_requests=len(finished))
     return OverheadFit(overheads, len(observations), len(lines.requests), len(delays))

@@ -6,8 +6,11 @@ A job's reuse follows the live runner (``prefill_worker.runner``): at its start 
 planned leading blocks from the holder (a pull, kept here: a replica) or from its own store,
 stops at the first missing one, and cuts back to the deepest block with a KDA snapshot. It
 then takes ``pull_s`` (when it pulled) plus ``prefill_s(new, reused)`` of the live worker
-(``ClusterOverheads.live_prefill``: the calibration's by default) and stores every new full
-block, with snapshots at the snapshot points. That whole time is the job's ``worker_s``, what
+(``ClusterOverheads.live_prefill``: the calibration's by default) plus
+``reuse_load_s_per_token`` for each reused token it copied into pages rather than reused in
+place (pulled, or found below the top tier: the live worker reuses only the leading run of
+device-tier blocks in place), and stores every new full block, with snapshots at the
+snapshot points. That whole time is the job's ``worker_s``, what
 a live worker reports in its Prefill response. ``on_start(job)`` is called once the job's
 reuse is known, when a live worker pushes the reused rows to the decode worker.
 """
@@ -39,6 +42,7 @@ class SimPrefillJob:
     holder: str | None
     started_s: float | None = None
     num_reused_tokens: int = 0  # actual, once started
+    num_loaded_tokens: int = 0  # of those, copied into pages (pulled, or from DRAM or SSD): not in place
     pulled: bool = False
     worker_s: float = 0.0  # the worker's time for it (pull + prefill), once started
 
@@ -55,6 +59,7 @@ class SimPrefill:
         self.worker_id, self.config, self.costs, self.index, self.loop = worker_id, config, costs, index, loop
         self.peers, self.on_done, self.on_start, self.backend = peers, on_done, on_start, backend
         self.live_costs = overheads.live_prefill(costs)  # the worker's own time; costs stays for pulls and sizes
+        self.load_s_per_token = overheads.reuse_load_s_per_token
         self.block_size = config.block_size
         self.snapshots = SnapshotPolicy(config.snapshot_interval_blocks)
         tiers = {Tier.DRAM: SizedTier(Tier.DRAM, config.dram_bytes), Tier.SSD: SizedTier(Tier.SSD, config.ssd_bytes)}
@@ -114,7 +119,8 @@ class SimPrefill:
         job.started_s = self.loop.now
         pull_s = self._reuse(job)
         n, reused = job.num_prompt_tokens, job.num_reused_tokens
-        job.worker_s = pull_s + self.live_costs.prefill_s(n - reused, reused)
+        job.worker_s = (pull_s + self.live_costs.prefill_s(n - reused, reused)
+                        + self.load_s_per_token * job.num_loaded_tokens)
         self.num_busy_s += job.worker_s
         self.on_start(job)
         self.loop.at(self.loop.now + job.worker_s, self._finish, job)
@@ -136,15 +142,20 @@ class SimPrefill:
                     self.store.put(key, blob, blob.has_snapshot, self.top)
                 found = pulled
                 job.pulled = True
+        in_place = 0  # the leading run of them in the top tier: the live worker reuses it in place
         if not found:
             for key in keys:
+                on_top = self.store.where.get(key) == self.top
                 blob = self.store.get(key)
                 if blob is None:
                     break
                 found.append(blob)
+                if on_top and in_place == len(found) - 1:
+                    in_place += 1
         while found and not found[-1].has_snapshot:
             found.pop()
         job.num_reused_tokens = len(found) * self.block_size
+        job.num_loaded_tokens = job.num_reused_tokens - min(in_place, len(found)) * self.block_size
         self._flush_events()
         return pull_s
 

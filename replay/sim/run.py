@@ -74,6 +74,8 @@ class _Life:
     routed_s: float = 0.0
     first_s: float | None = None
     cached_tokens: int = 0
+    loaded_tokens: int = 0
+    prefill_worker_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
 
 
@@ -199,7 +201,10 @@ class Simulation:
     def _prefill_done(self, job: SimPrefillJob) -> None:
         life = self.lives[job.request_id]
         d = life.decision
-        life.first_s, life.cached_tokens = self.loop.now, job.num_reused_tokens
+        # The first token reaches the client first_token_delay_s after the worker is done.
+        life.first_s = self.loop.now + self.config.overheads.first_token_delay_s
+        life.cached_tokens, life.loaded_tokens, life.prefill_worker_s = (job.num_reused_tokens, job.num_loaded_tokens,
+                                                                         job.worker_s)
         self.core.pending.prefill_done(job.request_id, self.loop.now)
         self.core.speed.observe(d.prefill_worker, d.predicted.model_prefill_s, job.worker_s)  # as conductor.lifecycle
         r = life.req
@@ -213,7 +218,8 @@ class Simulation:
             return
         self.core.pending.decode_started(r.request_id, self.loop.now)
         join_s = self.config.overheads.decode_join_s(self._rng.random() if self._draw_joins else 0.0)
-        self._after(join_s, decode.join,
+        # The join delays are fitted from the client's first token on, which comes that much later.
+        self._after(self.config.overheads.first_token_delay_s + join_s, decode.join,
                     SimDecodeRequest(r.request_id, r.prompt_len, r.max_tokens))
 
     def _decode_progress(self, request: SimDecodeRequest) -> None:
@@ -247,7 +253,8 @@ class Simulation:
             life, FINISHED, finish_reason="length", ttft_s=ttft, latency_s=max(now - r.arrival_s, times[-1]),
             queue_s=life.routed_s + self.config.overheads.dispatch_s - r.arrival_s, token_times_s=times,
             prompt_tokens=r.prompt_len,
-            cached_tokens=life.cached_tokens, prefill_worker=d.prefill_worker, decode_worker=d.decode_worker,
+            cached_tokens=life.cached_tokens, loaded_cached_tokens=life.loaded_tokens,
+            prefill_worker_s=life.prefill_worker_s, prefill_worker=d.prefill_worker, decode_worker=d.decode_worker,
             route_branch=d.branch.value, pulled_from=d.reuse.holder or "",
             predicted_ttft_s=d.predicted.ttft_s or None, predicted_tbt_s=d.predicted.tbt_s or None))
 

@@ -88,6 +88,7 @@ class PrefillDecodePair:
             tokens.extend(item)
         self.scheduler.release(rid)
         self.runner.check_integrity()
+        self.last_loaded = out.loaded_tokens
         return tokens[:max_tokens], out.cached_tokens
 
     def close(self) -> None:
@@ -130,11 +131,13 @@ def test_prefix_reused_in_place_matches_dram_and_the_reference(model, pairs) -> 
     free_before = device.cache.pool.num_free
     tokens, cached = device.generate(second, 6)
     assert (tokens, cached) == (want[1], 4 * BS)  # 4 shared blocks, the 4th carries a snapshot
+    assert device.last_loaded == 0  # all reused in place
     assert device.cache.pool.num_free == free_before - 2  # only the 2 new full blocks took pages
 
     assert dram.generate(first, 6) == (want[0], 0)
     assert all(dram.store.tier_of(k) == Tier.DRAM for k in chain_keys(first, BS, model.fingerprint))
     assert dram.generate(second, 6) == (want[1], 4 * BS)
+    assert dram.last_loaded == 4 * BS  # all copied in from DRAM
 
 
 def test_a_dram_block_reused_moves_to_the_device_in_the_page_it_was_loaded_into(model, pairs) -> None:
@@ -146,6 +149,7 @@ def test_a_dram_block_reused_moves_to_the_device_in_the_page_it_was_loaded_into(
     assert [pair.store.tier_of(k) for k in keys] == [Tier.DRAM] * len(keys)
     tokens, cached = pair.generate(second, 4)
     assert (tokens, cached) == (engine.generate(model, second, 4), 4 * BS)
+    assert pair.last_loaded == 4 * BS
     assert [pair.store.tier_of(k) for k in keys[:4]] == [Tier.DEVICE] * 4
     assert pair.store.has_snapshot(keys[3])  # the snapshot came along
 

@@ -93,7 +93,8 @@ class InProcDispatcher:
         except Busy as e:
             raise DispatchError(FailureKind.BUSY, prefill_worker, str(e)) from e
         self.c.heartbeat()
-        return PrefillResult(out.first_token, out.cached_tokens, out.prefill_s, tuple(self.c.drain_events()))
+        return PrefillResult(out.first_token, out.cached_tokens, out.prefill_s, tuple(self.c.drain_events()),
+                             out.loaded_tokens)
 
     def decode(self, decode_worker: str, request_id: str, first_token: int, sampling: SamplingParams,
                num_prompt_tokens: int, deadline_s: float, on_cancel) -> Iterator[DecodeChunk]:

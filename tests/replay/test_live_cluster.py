@@ -38,6 +38,7 @@ def test_live_replay_accounts_for_every_request(cluster_1x1, tmp_path, capsys):
             assert r.finish_reason == "length" and r.num_output_tokens == r.max_tokens
             assert r.prefill_worker == "prefill-0" and r.decode_worker == "decode-0"
             assert r.prompt_tokens == r.prompt_len and r.ttft_s == r.token_times_s[0]
+            assert 0 < r.prefill_worker_s < r.ttft_s and 0 <= r.loaded_cached_tokens <= r.cached_tokens
     # t3921 repeats t3906's first block, and only starts once 12 earlier requests have ended
     # (concurrency 4), so the cluster's prefix cache holds it by then.
     assert s.cache.cached_tokens > 0 and 0 < s.cache.ratio < 1

@@ -27,7 +27,7 @@ class Scripted(pgrpc.InferenceServicer):
     def Generate(self, request, context):
         self.seen.append(request)
         kind = int(request.request_id.rsplit("-", 1)[1]) % 6
-        usage = pb.Usage(prompt_tokens=len(request.token_ids.ids), cached_tokens=16)
+        usage = pb.Usage(prompt_tokens=len(request.token_ids.ids), cached_tokens=16, loaded_cached_tokens=16)
         if kind == 1:
             context.set_trailing_metadata((("retry-after-s", "2.5"),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
@@ -37,7 +37,7 @@ class Scripted(pgrpc.InferenceServicer):
         if kind == 0:
             yield pb.GenerateResponse(token_ids=[7])
             yield pb.GenerateResponse(token_ids=[8], finish_reason=pb.FINISH_REASON_LENGTH, usage=usage,
-                                      timing=pb.Timing(queue_s=0.01, ttft_s=0.02))
+                                      timing=pb.Timing(queue_s=0.01, ttft_s=0.02, prefill_worker_s=0.015))
         elif kind == 2:
             yield pb.GenerateResponse(finish_reason=pb.FINISH_REASON_FAILED, error="decode worker died")
         elif kind == 3:
@@ -80,6 +80,7 @@ def test_every_outcome_is_one_record(scripted, tmp_path):
     assert done.finish_reason == "length" and done.num_output_tokens == 4 and done.token_times_s[0] == done.ttft_s
     assert done.token_times_s[0] == done.token_times_s[1]  # two tokens of one message share its time
     assert (done.prompt_tokens, done.cached_tokens, done.queue_s) == (3, 16, 0.01)
+    assert (done.loaded_cached_tokens, done.prefill_worker_s) == (16, 0.015)
     assert (done.prefill_worker, done.decode_worker) == ("prefill-0", "decode-0")
     assert done.server_request_id.endswith("-0") and done.source == "live"
     assert recs[1].retry_after_s == 2.5 and "queue full" in recs[1].error
