@@ -21,15 +21,20 @@ reports, the load and the run's parameters; ``--reuse DIR`` simulates again agai
 live run, at its rate (no cluster, no calibration). ``live_prefill_load`` is each window's
 prefill worker seconds over its arrival span: at or above 1 the queue grows through the
 window and its TTFT hangs on every percent of prefill speed, so judge at a rate that keeps it
-below (``--rate-scale``). Run it on a quiet machine: the live cluster shares its cores with
+below (``--rate-scale``). Each judged window's ``conditioning`` says by how much: its
+simulated TTFT p50 and p90 move that many percent per percent of prefill speed, and
+``host_speed`` measures how far this host's speed wandered during the live run (the same
+work timed by the workers against one fit of the whole run); their product is what drift
+alone costs the judge. Run it on a quiet machine: the live cluster shares its cores with
 everything.
 
-Usage: python -m bench.fidelity [--quick] [--requests 80] [--rate-scale 1.0] [--keep DIR | --reuse DIR]
+Usage: python -m bench.fidelity [--quick] [--requests 160] [--rate-scale 0.2] [--keep DIR | --reuse DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -38,6 +43,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
+from bench.host_cpu import HostCPU, shares
 from conductor.config import ConductorConfig
 from costmodel import CostModels
 from costmodel.overheads import NO_OVERHEADS, ClusterOverheads
@@ -53,12 +61,20 @@ from replay.transform import TraceTransform, apply_transform
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
-# The second window is the trace's 120-request stretch with the most reuse inside it (54% of
-# blocks); the first is the stretch just before it. A replay starts with a cold cache.
+# The second window starts the trace's 120-request stretch with the most reuse inside it (54%
+# of blocks) and runs to the trace's end (3,993 requests: 153 of the default 160); the first
+# is the stretch just before it. A replay starts with a cold cache.
 SECOND_WINDOW_START = 3840
+TRACE_REQUESTS = 3993
 BLOCK, SNAPSHOT_EVERY, PREFILL_PAGES, DECODE_PAGES = 16, 2, 2048, 4096
 GOAL = 0.15
-DEFAULT_REQUESTS = 80
+SPEED_STEP = 0.1  # conditioning(): every prefill this much longer
+HOST_SPEED_MIN_TOKENS = 300  # host_speed(): shorter prefills are mostly the fixed cost and its jitter
+DEFAULT_REQUESTS = 160
+# At x0.2 a TTFT moves about 1% per 1% of prefill speed in both windows (``conditioning``); at
+# x0.5 the first window's p50 moves 4.7% and at x1.0 its queue grows through the window (and
+# the Conductor's 10 s TTFT SLO rejects some of it, which request tipping on a few ms).
+DEFAULT_RATE_SCALE = 0.2
 METRICS = ("ttft_p50_s", "ttft_p90_s", "tbt_p50_s", "tbt_p90_s")
 GOAL_METRICS = ("ttft_p50_s", "ttft_p90_s", "tbt_p50_s")  # the issue's; TBT p90 is reported beside them
 
@@ -74,7 +90,10 @@ def calibrate(path: Path, grid: str) -> None:
                     str(path)], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
 
 
-def run_live(transform: TraceTransform, calibration: Path, out_dir: Path) -> list[RequestRecord]:
+def run_live(transform: TraceTransform, calibration: Path, out_dir: Path,
+             cpu_file: Path) -> list[RequestRecord]:
+    """The live replay; the host's CPU counters sampled through it go to ``cpu_file`` (their
+    clock starts with the replay's)."""
     from deploy.local import ClusterConfig, LocalCluster
     from replay.live import run_live_replay
 
@@ -86,8 +105,11 @@ def run_live(transform: TraceTransform, calibration: Path, out_dir: Path) -> lis
                            decode_args=("--block-size", str(BLOCK), "--num-pages", str(DECODE_PAGES)))
     with LocalCluster(config) as c:
         time.sleep(1.0)
-        return list(run_live_replay(scaled, c.endpoint, max_concurrency=64, out_dir=out_dir, plots=False,
-                                    progress=False).records)
+        with HostCPU() as cpu:
+            records = list(run_live_replay(scaled, c.endpoint, max_concurrency=64, out_dir=out_dir, plots=False,
+                                           progress=False).records)
+    cpu_file.write_text(json.dumps(cpu.samples) + "\n")
+    return records
 
 
 def calibrate_and_run_live(transform: TraceTransform, calibration: Path, grid: str,
@@ -95,7 +117,7 @@ def calibrate_and_run_live(transform: TraceTransform, calibration: Path, grid: s
     """A calibration, then the live run, and the host's load average around it (kept in ``work``)."""
     calibrate(calibration, grid)
     load = {"before_live": os.getloadavg()[0]}
-    live = run_live(transform, calibration, work / "live")
+    live = run_live(transform, calibration, work / "live", work / "host_cpu.json")
     load["after_live"] = os.getloadavg()[0]
     (work / "host_load.json").write_text(json.dumps(load) + "\n")
     return live, load
@@ -106,7 +128,7 @@ def run_parameters(args: argparse.Namespace, work: Path) -> tuple[int, float]:
     (``run.json``; a flag that contradicts it is an error: the live records are at its rate)."""
     kept = work / "run.json"
     chosen = {"requests": 30 if args.quick else (args.requests or DEFAULT_REQUESTS),
-              "rate_scale": args.rate_scale or 1.0}
+              "rate_scale": args.rate_scale or DEFAULT_RATE_SCALE}
     if args.reuse and kept.exists():
         saved = json.loads(kept.read_text())
         for name, flag in (("requests", args.requests), ("rate_scale", args.rate_scale)):
@@ -127,6 +149,20 @@ def prefill_load(live: list[RequestRecord], window: range) -> dict:
     busy_s = sum(s for *_, s in prefill_observations(records))
     return {"arrival_span_s": round(span_s, 2), "prefill_worker_s": round(busy_s, 2),
             "load": round(busy_s / span_s, 3) if span_s else None}
+
+
+def host_cpu_by_window(work: Path, live: list[RequestRecord], windows: dict[str, range]) -> dict | None:
+    """The host's busy and steal shares over each window (first arrival to last response) of
+    the live run; None for a run kept without the samples."""
+    path = work / "host_cpu.json"
+    if not path.exists():
+        return None
+    samples = [tuple(s) for s in json.loads(path.read_text())]
+    out = {}
+    for name, w in windows.items():
+        rs = [r for r in live if r.index in w]
+        out[name] = shares(samples, min(r.arrival_s for r in rs), max(r.end_s for r in rs)) if rs else None
+    return out
 
 
 def kept_live(work: Path) -> tuple[list[RequestRecord], dict | None]:
@@ -155,6 +191,45 @@ def between_windows(live: list[RequestRecord], fits: dict[str, OverheadFit], cos
             "decode_step_scale_ratio": second.decode_step_scale / first.decode_step_scale}
 
 
+def conditioning(transform: TraceTransform, costs: CostModels, overheads: ClusterOverheads,
+                 sim: list[RequestRecord], window: range) -> dict:
+    """How much the window's simulated TTFT moves per unit of prefill speed: the relative
+    change of its p50 and p90 when every prefill takes ``1 + SPEED_STEP`` times as long, over
+    ``SPEED_STEP``. About 1 when a TTFT is its own prefill; well above where queues build
+    (a burst drains at the sum of its prefills), so that the host's own drift in speed, that
+    many times over, is already an error of the judge no fit can take out."""
+    slower = dataclasses.replace(
+        overheads, prefill_coefficients=tuple((1 + SPEED_STEP) * c for c in overheads.prefill_coefficients),
+        reuse_load_s_per_token=(1 + SPEED_STEP) * overheads.reuse_load_s_per_token)
+    a = figures([r for r in sim if r.index in window])
+    b = figures([r for r in run_sim(transform, costs, slower) if r.index in window])
+    return {f"{k}_per_prefill_speed": round((b[k] / a[k] - 1) / SPEED_STEP, 2) if a[k] and b[k] else None
+            for k in ("ttft_p50_s", "ttft_p90_s")}
+
+
+def host_speed(live: list[RequestRecord], costs: CostModels, windows: dict[str, range]) -> dict | None:
+    """The host's drift within the live run: every prefill of ``HOST_SPEED_MIN_TOKENS`` new
+    tokens or more, its worker time over what one fit on the whole run predicts, in the order
+    they ran. Its spread is the host (the same work took that much more or less), and a
+    lag-1 autocorrelation above 0 says the speed wanders over several prefills, not prefill by
+    prefill; the mean per window is the drift between them. None without the workers' times."""
+    timed = sorted((r for r in live if r.prefill_worker_s is not None and not r.pulled_from
+                    and r.prompt_len - r.cached_tokens >= HOST_SPEED_MIN_TOKENS),
+                   key=lambda r: r.arrival_s + r.ttft_s)
+    if len(timed) < 3:
+        return None
+    o = fit_overheads(live, costs).overheads
+    model = o.live_prefill(costs)
+    ratios = np.array([r.prefill_worker_s / (model.prefill_s(r.prompt_len - r.cached_tokens, r.cached_tokens)
+                                             + o.reuse_load_s_per_token * r.loaded_cached_tokens) for r in timed])
+    by_window = {name: float(np.mean([q for q, r in zip(ratios, timed, strict=True) if r.index in w]))
+                 for name, w in windows.items() if any(r.index in w for r in timed)}
+    return {"num_prefills": len(timed), "min_new_tokens": HOST_SPEED_MIN_TOKENS,
+            "worker_over_model_p10_p50_p90": [round(float(x), 3) for x in np.percentile(ratios, (10, 50, 90))],
+            "lag1_autocorrelation": round(float(np.corrcoef(ratios[:-1], ratios[1:])[0, 1]), 2),
+            "mean_by_window": {k: round(v, 3) for k, v in by_window.items()}}
+
+
 def figures(records: list[RequestRecord]) -> dict[str, float | int | None]:
     s = summarize(records)
     return {"ttft_p50_s": s.ttft_s.p50, "ttft_p90_s": s.ttft_s.p90, "tbt_p50_s": s.tbt_s.p50,
@@ -179,15 +254,16 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--requests", type=int, default=None, help=f"requests in each of the two windows "
                    f"(default {DEFAULT_REQUESTS})")
-    p.add_argument("--rate-scale", type=float, default=None, help="arrival rate factor (default 1.0)")
+    p.add_argument("--rate-scale", type=float, default=None,
+                   help=f"arrival rate factor (default {DEFAULT_RATE_SCALE})")
     p.add_argument("--keep", default="", help="keep the calibration and the reports here")
     p.add_argument("--reuse", default="", help="a --keep directory: simulate against its live run again")
     args = p.parse_args()
     work = Path(args.reuse or args.keep or tempfile.mkdtemp(prefix="tidekv-fidelity-"))
     work.mkdir(parents=True, exist_ok=True)
     n, rate_scale = run_parameters(args, work)
-    first, second = range(SECOND_WINDOW_START - n, SECOND_WINDOW_START), range(SECOND_WINDOW_START,
-                                                                              SECOND_WINDOW_START + n)
+    first = range(SECOND_WINDOW_START - n, SECOND_WINDOW_START)
+    second = range(SECOND_WINDOW_START, min(SECOND_WINDOW_START + n, TRACE_REQUESTS))
     transform = TraceTransform(block_size=BLOCK, output_scale=0.1, max_output_tokens=32, rate_scale=rate_scale,
                                index_start=first.start, index_end=second.stop)
     calibration = work / "calibration.json"
@@ -210,7 +286,8 @@ def main() -> None:
         folds[f"fit_on_{fit_name}"] = {
             "fit": fit.describe(),
             "validation": {"window": f"requests {check_window.start}..{check_window.stop}",
-                           **compare(live, sim, check_window)},
+                           **compare(live, sim, check_window),
+                           "conditioning": conditioning(transform, costs, fit.overheads, sim, check_window)},
             "fit_window": {"window": f"requests {fit_window.start}..{fit_window.stop}",
                            **compare(live, sim, fit_window)},
         }
@@ -225,6 +302,8 @@ def main() -> None:
         "folds": folds,
         "between_windows": between_windows(live, fits, costs),
         "live_prefill_load": {name: prefill_load(live, w) for name, w in windows.items()},
+        "host_speed": host_speed(live, costs, windows),
+        "host_cpu": host_cpu_by_window(work, live, windows),
         "host_load_1m": load,
         "calibrated_engine_only": {name: compare(live, baseline, w) for name, w in windows.items()},
         "goal_abs_relative_error": GOAL, "reports": str(work) if args.keep or args.reuse else None,
