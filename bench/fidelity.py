@@ -17,7 +17,7 @@ of both windows, timed by each window's prefill fit; the two decode step scales)
 from 1 means the live cluster ran at another speed in one window than in the other, which a fit
 on the other window cannot know, so it bounds what the judge can show. ``host_load_1m`` is the
 host's load average before and after the live run. ``--keep DIR`` keeps the calibration, the
-reports, the load and the run's parameters; ``--reuse DIR`` simulates again against a kept
+reports, the load, the CPU samples and the run's parameters; ``--reuse DIR`` simulates again against a kept
 live run, at its rate (no cluster, no calibration). ``live_prefill_load`` is each window's
 prefill worker seconds over its arrival span: at or above 1 the queue grows through the
 window and its TTFT hangs on every percent of prefill speed, so judge at a rate that keeps it
@@ -25,8 +25,9 @@ below (``--rate-scale``). Each judged window's ``conditioning`` says by how much
 simulated TTFT p50 and p90 move that many percent per percent of prefill speed, and
 ``host_speed`` measures how far this host's speed wandered during the live run (the same
 work timed by the workers against one fit of the whole run); their product is what drift
-alone costs the judge. Run it on a quiet machine: the live cluster shares its cores with
-everything.
+alone costs the judge. ``host_cpu`` is each window's busy and steal shares of the host's CPU
+time (``bench.host_cpu``: steal is what the hypervisor gave to other guests). Run it on a
+quiet machine: the live cluster shares its cores with everything.
 
 Usage: python -m bench.fidelity [--quick] [--requests 160] [--rate-scale 0.2] [--keep DIR | --reuse DIR]
 """

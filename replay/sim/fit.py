@@ -15,12 +15,15 @@ prompt and cached tokens, workers), with the calibration for the decode step:
   one prefill at a time, so when a request was already waiting at its worker as the
   previous one's first token came back, its worker time is the gap between the two first
   tokens. ``CostModels.prefill_s``'s formula and ``reuse_load_s_per_token`` are fitted on
-  them (non-negative least squares on the seconds, not on relative errors: the queue a
+  them by non-negative least squares on the seconds, not on relative errors: the queue a
   worker builds drains at the sum of its prefills' times, which the many short prefills of a
-  cached window would otherwise decide) after dropping the worst one while it is off by
-  more than a factor of two (at most a tenth of them): two gaps of responses that came back
-  out of order are one far too short and one far too long. ``first_token_delay_s`` is the
-  median of TTFT less the dispatch and the worker's time over the prefills that found their
+  cached window would otherwise decide. The n*p and n*n terms are fitted only with at least
+  ``MIN_LONG_PREFILLS`` prefills of ``LONG_PREFILL_TOKENS`` new tokens or more, else they
+  stay 0: a mostly cached window holds a handful, and the host's drift on those would set
+  the curvature. Before the fit the worst prefill is dropped while it is off by more than a
+  factor of two (at most a tenth of them): two gaps of responses that came back out of
+  order are one far too short and one far too long. ``first_token_delay_s`` is the median
+  of TTFT less the dispatch and the worker's time over the prefills that found their
   worker idle.
 - decode: a request is in its decode worker's batch from about one step before its second
   token to its last one, which gives the batch size and context at every moment; a prefill
@@ -68,6 +71,9 @@ from replay.records import FINISHED, RequestRecord, read_records
 
 NUM_QUANTILES = 20
 MIN_PREFILLS = 3
+CURVATURE_TERMS = (2, 3)  # n*p and n*n, in PREFILL_TERMS order
+LONG_PREFILL_TOKENS = 1000  # new tokens: a prefill this long says something about the curvature
+MIN_LONG_PREFILLS = 10  # long prefills, at least, for the curvature terms to be fitted (else 0)
 MAX_DROPPED_SHARE = 0.1  # of the back-to-back prefills, at most, left out of the fit as out of order
 HUBER_K = 1.345  # the decode fit's outlier threshold, in robust standard deviations (95% efficient if normal)
 MIN_EVENT_GAPS = 5  # gaps holding an event, at least, for its stall to be fitted (else it stays 0)
@@ -153,6 +159,10 @@ def _fit_prefill(observations: list[tuple[int, int, int, float]]) -> tuple[tuple
                          f"{MIN_PREFILLS} (replay a longer window)")
     features = np.array([[*prefill_features(n, p), loaded] for n, p, loaded, _ in observations])
     seconds = np.array([s for *_, s in observations])
+    # The curvature terms (n*p, n*n) rest on the few long prefills of a window, where the
+    # host's drift is as large as they are: with fewer than MIN_LONG_PREFILLS they stay 0.
+    if sum(n >= LONG_PREFILL_TOKENS for n, *_ in observations) < MIN_LONG_PREFILLS:
+        features[:, list(CURVATURE_TERMS)] = 0.0
     keep = np.ones(len(seconds), dtype=bool)
     # Outliers first, on a plain least-squares fit: a relative one lets a single pair measured
     # far too short (a reordered response) pull every coefficient toward it.
@@ -293,7 +303,7 @@ def _idle_join_s(first_s: float, second_s: float, step_s: float,
     delay is then only known to be shorter)."""
     start_s = second_s - step_s - sum(s for _, s, _ in events)
     for _ in events:  # the events after the start stretched the step: find the start they imply
-        later = second_s - step_s - sum(s for t, s, _ in events if t > start_s)
+        later = second_s - step_s - sum(s for t, s, _ in events if t > start_s + 1e-9)  # one at the start is before it
         if later == start_s:
             break
         start_s = later

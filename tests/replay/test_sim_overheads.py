@@ -198,7 +198,7 @@ def test_the_fit_recovers_the_overheads_a_simulated_run_was_made_with() -> None:
         own = ids(4 + (i * 7) % 15, start=1000 + 100 * i)
         requests.append((0.05 * i, 16 * len(shared + own) + 5, 12 + i % 9, shared + own))
     scaled = trace(*requests)
-    truth = ClusterOverheads(dispatch_s=0.002, prefill_coefficients=(0.015, 1.2e-3, 0.0, 1e-7, 5e-5),
+    truth = ClusterOverheads(dispatch_s=0.002, prefill_coefficients=(0.015, 1.2e-3, 0.0, 0.0, 5e-5),
                              decode_join_quantiles_s=(0.003,), decode_step_scale=1.3,
                              decode_stall_s_per_reused_token=2e-4, decode_stall_s_per_prefill=0.004,
                              decode_stall_s_per_arrival=0.002)
@@ -257,3 +257,17 @@ def test_reuse_copied_into_pages_costs_its_own_term_and_the_fit_recovers_it() ->
     assert got.reuse_load_s_per_token == pytest.approx(3e-4, rel=1e-6)
     assert got.prefill_coefficients == pytest.approx(truth.prefill_coefficients, rel=1e-6, abs=1e-12)
     assert got.first_token_delay_s == pytest.approx(0.004)
+
+
+@pytest.mark.parametrize("num_long", [9, 10])
+def test_the_curvature_terms_need_enough_long_prefills(num_long) -> None:
+    # Prefills of 70..250 tokens, then num_long of 1,000..1,450, with a true n*n term: it is
+    # recovered with MIN_LONG_PREFILLS (10) long ones and left at 0 with fewer.
+    sizes = [5 + i % 12 for i in range(30)] + [63 + 3 * i for i in range(num_long)]
+    scaled = trace(*[(3.0 * i, 16 * n, 1, ids(n, start=100 * i)) for i, n in enumerate(sizes)])
+    truth = ClusterOverheads(prefill_coefficients=(0.02, 8e-4, 0.0, 5e-8, 0.0))
+    got = fit_overheads(run(scaled, truth), COSTS).overheads.prefill_coefficients
+    if num_long >= 10:
+        assert got == pytest.approx(truth.prefill_coefficients, rel=1e-6, abs=1e-12)
+    else:
+        assert got[2] == got[3] == 0.0 and got[1] > truth.prefill_coefficients[1]  # the slope takes it
