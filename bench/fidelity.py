@@ -17,8 +17,8 @@ of both windows, timed by each window's prefill fit; the two decode step scales)
 from 1 means the live cluster ran at another speed in one window than in the other, which a fit
 on the other window cannot know, so it bounds what the judge can show. ``host_load_1m`` is the
 host's load average before and after the live run. ``--keep DIR`` keeps the calibration, the
-reports, the load, the CPU samples and the run's parameters; ``--reuse DIR`` simulates again against a kept
-live run, at its rate (no cluster, no calibration). ``live_prefill_load`` is each window's
+reports, the load, the CPU samples and the run's parameters; ``--reuse DIR`` simulates again
+against a kept live run, at its rate (no cluster, no calibration). ``live_prefill_load`` is each window's
 prefill worker seconds over its arrival span: at or above 1 the queue grows through the
 window and its TTFT hangs on every percent of prefill speed, so judge at a rate that keeps it
 below (``--rate-scale``). Each judged window's ``conditioning`` says by how much: its
@@ -73,8 +73,8 @@ SPEED_STEP = 0.1  # conditioning(): every prefill this much longer
 HOST_SPEED_MIN_TOKENS = 300  # host_speed(): shorter prefills are mostly the fixed cost and its jitter
 DEFAULT_REQUESTS = 160
 # At x0.2 a TTFT moves about 1% per 1% of prefill speed in both windows (``conditioning``); at
-# x0.5 the first window's p50 moves 4.7% and at x1.0 its queue grows through the window (and
-# the Conductor's 10 s TTFT SLO rejects some of it, which request tipping on a few ms).
+# x0.5 the first window's p50 moves 4.7%, and at x1.0 its queue grows through the window and
+# which requests the Conductor's 10 s TTFT SLO rejects turns on a few ms.
 DEFAULT_RATE_SCALE = 0.2
 METRICS = ("ttft_p50_s", "ttft_p90_s", "tbt_p50_s", "tbt_p90_s")
 GOAL_METRICS = ("ttft_p50_s", "ttft_p90_s", "tbt_p50_s")  # the issue's; TBT p90 is reported beside them
@@ -196,9 +196,9 @@ def conditioning(transform: TraceTransform, costs: CostModels, overheads: Cluste
                  sim: list[RequestRecord], window: range) -> dict:
     """How much the window's simulated TTFT moves per unit of prefill speed: the relative
     change of its p50 and p90 when every prefill takes ``1 + SPEED_STEP`` times as long, over
-    ``SPEED_STEP``. About 1 when a TTFT is its own prefill; well above where queues build
-    (a burst drains at the sum of its prefills), so that the host's own drift in speed, that
-    many times over, is already an error of the judge no fit can take out."""
+    ``SPEED_STEP``. About 1 where each TTFT is mostly its own prefill; well above 1 where
+    queues build (a burst drains at the sum of its prefills). The host's own drift in speed,
+    times this, is an error of the judge that no fit can take out."""
     slower = dataclasses.replace(
         overheads, prefill_coefficients=tuple((1 + SPEED_STEP) * c for c in overheads.prefill_coefficients),
         reuse_load_s_per_token=(1 + SPEED_STEP) * overheads.reuse_load_s_per_token)

@@ -5,14 +5,14 @@ configured eviction policy, demotion and promotion) whose every change is publis
 A job's reuse follows the live runner (``prefill_worker.runner``): at its start it takes the
 planned leading blocks from the holder (a pull, kept here: a replica) or from its own store,
 stops at the first missing one, and cuts back to the deepest block with a KDA snapshot. It
-then takes ``pull_s`` (when it pulled) plus ``prefill_s(new, reused)`` of the live worker
-(``ClusterOverheads.live_prefill``: the calibration's by default) plus
+then takes ``pull_s`` (when it pulled), ``prefill_s(new, reused)`` of the live worker
+(``ClusterOverheads.live_prefill``: the calibration's by default) and
 ``reuse_load_s_per_token`` for each reused token it copied into pages rather than reused in
 place (pulled, or found below the top tier: the live worker reuses only the leading run of
 device-tier blocks in place), and stores every new full block, with snapshots at the
-snapshot points. That whole time is the job's ``worker_s``, what
-a live worker reports in its Prefill response. ``on_start(job)`` is called once the job's
-reuse is known, when a live worker pushes the reused rows to the decode worker.
+snapshot points. That whole time is the job's ``worker_s``, what a live worker reports in its
+Prefill response. ``on_start(job)`` is called once the job's reuse is known, when a live
+worker pushes the reused rows to the decode worker.
 """
 
 from __future__ import annotations
