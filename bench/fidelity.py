@@ -11,7 +11,12 @@ carry over from the first to the second window in both.
 
 Prints one JSON object (progress on stderr): live and simulated TTFT p50/p90 and TBT p50/p90 of
 each window, their ratio and relative error (goal: TTFT p50 and p90 and TBT p50 within 15%;
-Vidur reports under 9% on real GPUs), and the overheads with how they were obtained.
+Vidur reports under 9% on real GPUs), and the overheads with how they were obtained. With
+``--repeats K`` (or several ``--reuse`` directories) it judges each live run and then all of
+them: ``over_runs`` holds each fold's median, min and max error over the runs and how many
+runs met the goal. A run's errors scatter with this host's drift between its two windows (a
+fit on one cannot know the other ran 10-20% faster); their median says how far the simulator
+itself is off.
 ``between_windows`` puts the two fits side by side on the same work (every timed prefill
 of both windows, timed by each window's prefill fit; the two decode step scales): a ratio away
 from 1 means the live cluster ran at another speed in one window than in the other, which a fit
@@ -29,7 +34,8 @@ alone costs the judge. ``host_cpu`` is each window's busy and steal shares of th
 time (``bench.host_cpu``: steal is what the hypervisor gave to other guests). Run it on a
 quiet machine: the live cluster shares its cores with everything.
 
-Usage: python -m bench.fidelity [--quick] [--requests 160] [--rate-scale 0.2] [--keep DIR | --reuse DIR]
+Usage: python -m bench.fidelity [--quick] [--requests 160] [--rate-scale 0.2] [--repeats K]
+                                [--keep DIR | --reuse DIR [DIR ...]]
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -124,19 +131,19 @@ def calibrate_and_run_live(transform: TraceTransform, calibration: Path, grid: s
     return live, load
 
 
-def run_parameters(args: argparse.Namespace, work: Path) -> tuple[int, float]:
+def run_parameters(args: argparse.Namespace, work: Path, reuse: bool) -> tuple[int, float]:
     """(requests per window, rate scale): the flags', or with ``--reuse`` the kept run's
     (``run.json``; a flag that contradicts it is an error: the live records are at its rate)."""
     kept = work / "run.json"
     chosen = {"requests": 30 if args.quick else (args.requests or DEFAULT_REQUESTS),
               "rate_scale": args.rate_scale or DEFAULT_RATE_SCALE}
-    if args.reuse and kept.exists():
+    if reuse and kept.exists():
         saved = json.loads(kept.read_text())
         for name, flag in (("requests", args.requests), ("rate_scale", args.rate_scale)):
             if flag is not None and flag != saved[name]:
                 raise SystemExit(f"--{name.replace('_', '-')} {flag}: the kept run in {work} has {saved[name]}")
         chosen = saved
-    elif not args.reuse:
+    elif not reuse:
         kept.write_text(json.dumps(chosen) + "\n")
     return chosen["requests"], chosen["rate_scale"]
 
@@ -250,25 +257,16 @@ def compare(live: list[RequestRecord], sim: list[RequestRecord], window: range) 
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--requests", type=int, default=None, help=f"requests in each of the two windows "
-                   f"(default {DEFAULT_REQUESTS})")
-    p.add_argument("--rate-scale", type=float, default=None,
-                   help=f"arrival rate factor (default {DEFAULT_RATE_SCALE})")
-    p.add_argument("--keep", default="", help="keep the calibration and the reports here")
-    p.add_argument("--reuse", default="", help="a --keep directory: simulate against its live run again")
-    args = p.parse_args()
-    work = Path(args.reuse or args.keep or tempfile.mkdtemp(prefix="tidekv-fidelity-"))
+def judge(work: Path, args: argparse.Namespace, reuse: bool) -> dict:
+    """One live run (or, with ``reuse``, the one kept in ``work``), fitted and judged both ways."""
     work.mkdir(parents=True, exist_ok=True)
-    n, rate_scale = run_parameters(args, work)
+    n, rate_scale = run_parameters(args, work, reuse)
     first = range(SECOND_WINDOW_START - n, SECOND_WINDOW_START)
     second = range(SECOND_WINDOW_START, min(SECOND_WINDOW_START + n, TRACE_REQUESTS))
     transform = TraceTransform(block_size=BLOCK, output_scale=0.1, max_output_tokens=32, rate_scale=rate_scale,
                                index_start=first.start, index_end=second.stop)
     calibration = work / "calibration.json"
-    live, load = (kept_live(work) if args.reuse else
+    live, load = (kept_live(work) if reuse else
                   calibrate_and_run_live(transform, calibration, "smoke" if args.quick else "quick", work))
     costs = CostModels.load(calibration)
     log("fitting and simulating")
@@ -292,7 +290,7 @@ def main() -> None:
             "fit_window": {"window": f"requests {fit_window.start}..{fit_window.stop}",
                            **compare(live, sim, fit_window)},
         }
-    out = {
+    return {
         "trace": f"{TRACE.name} requests {first.start}..{second.stop} in one live run, rate x{rate_scale}, "
                  f"block {BLOCK}, 1 prefill + 1 decode worker",
         "calibration": {"grid": costs.info.grid, "how": "tidekv calibrate on this machine before the live run"},
@@ -307,9 +305,58 @@ def main() -> None:
         "host_cpu": host_cpu_by_window(work, live, windows),
         "host_load_1m": load,
         "calibrated_engine_only": {name: compare(live, baseline, w) for name, w in windows.items()},
-        "goal_abs_relative_error": GOAL, "reports": str(work) if args.keep or args.reuse else None,
+        "goal_abs_relative_error": GOAL, "reports": str(work) if args.keep or reuse else None,
     }
-    print(json.dumps(out, indent=2))
+
+
+def over_runs(runs: list[dict]) -> dict:
+    """Each fold's out-of-sample errors across the runs: median, min and max per metric, how
+    many runs met the goal, and whether the medians do; with each run's drift between its
+    windows (``host_speed``'s second window over its first) beside them."""
+    out = {}
+    for fold in ("fit_on_first", "fit_on_second"):
+        judged = [r["folds"][fold]["validation"] for r in runs]
+        metrics = {}
+        for k in METRICS:
+            errors = [v[k]["relative_error"] for v in judged if v[k]["relative_error"] is not None]
+            metrics[k] = ({"median": statistics.median(errors), "min": min(errors), "max": max(errors)}
+                          if errors else None)
+        out[fold] = {**metrics, "runs_within_goal": sum(v["within_goal"] for v in judged),
+                     "median_within_goal": all(metrics[k] is not None and abs(metrics[k]["median"]) <= GOAL
+                                               for k in GOAL_METRICS)}
+    drift = [r["host_speed"]["mean_by_window"] for r in runs if r["host_speed"]]
+    out["host_speed_second_over_first"] = [round(d["second"] / d["first"], 3) for d in drift
+                                           if "first" in d and "second" in d]
+    return {"num_runs": len(runs), **out}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--requests", type=int, default=None, help=f"requests in each of the two windows "
+                   f"(default {DEFAULT_REQUESTS})")
+    p.add_argument("--rate-scale", type=float, default=None,
+                   help=f"arrival rate factor (default {DEFAULT_RATE_SCALE})")
+    p.add_argument("--repeats", type=int, default=1, help="live runs, each with its own calibration and cluster, "
+                   "judged each and together (default 1)")
+    p.add_argument("--keep", default="", help="keep the calibration and the reports here (run-1, run-2, ... "
+                   "with --repeats)")
+    p.add_argument("--reuse", nargs="+", default=[], metavar="DIR",
+                   help="--keep directories: simulate against their live runs again (no cluster)")
+    args = p.parse_args()
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.reuse:
+        runs = [judge(Path(d), args, reuse=True) for d in args.reuse]
+    else:
+        base = Path(args.keep or tempfile.mkdtemp(prefix="tidekv-fidelity-"))
+        works = [base] if args.repeats == 1 else [base / f"run-{i + 1}" for i in range(args.repeats)]
+        runs = []
+        for i, work in enumerate(works):
+            if len(works) > 1:
+                log(f"run {i + 1} of {len(works)}")
+            runs.append(judge(work, args, reuse=False))
+    print(json.dumps(runs[0] if len(runs) == 1 else {"over_runs": over_runs(runs), "runs": runs}, indent=2))
 
 
 if __name__ == "__main__":
