@@ -15,12 +15,12 @@ the live Conductor does. Where each term lies in a request's life::
       place; at its start the worker pushes its reused rows to the decode worker, whose loop
       pauses decode_stall_s_per_reused_token per row;
     first_token_delay_s: the Prefill response, the Conductor and the client's stream;
-    decode join: the Decode RPC, the KV verified, a step boundary;
-    every decode step: decode_step_scale * decode_step_s(batch, context)
-    the decode join: a delay drawn from decode_join_quantiles_s
+    decode join: a delay drawn from decode_join_quantiles_s (the Decode RPC, the KV
+      verified, a step boundary);
+    every decode step: decode_step_scale * decode_step_s(batch, context);
     every token after the first: reaches the client delivery_delay_s later (two streamed
-    hops, decode worker -> Conductor -> client, each a Python process sharing the cores);
-    a stream is in order, so a token never overtakes the one before it.
+      hops, decode worker -> Conductor -> client, each a Python process sharing the cores);
+      a stream is in order, so a token never overtakes the one before it.
 
 The decode loop also loses time to the work other requests cause around it, there and then
 (the step in progress ends that much later), because on one host (``tidekv up``) every
