@@ -11,28 +11,29 @@ carry over from the first to the second window in both.
 
 Prints one JSON object (progress on stderr): live and simulated TTFT p50/p90 and TBT p50/p90 of
 each window, their ratio and relative error (goal: TTFT p50 and p90 and TBT p50 within 15%;
-Vidur reports under 9% on real GPUs), and the overheads with how they were obtained. With
-``--repeats K`` (or several ``--reuse`` directories) it judges each live run and then all of
-them: ``over_runs`` holds each fold's median, min and max error over the runs and how many
-runs met the goal. A run's errors scatter with this host's drift between its two windows (a
-fit on one cannot know the other ran 10-20% faster); their median says how far the simulator
-itself is off.
-``between_windows`` puts the two fits side by side on the same work (every timed prefill
-of both windows, timed by each window's prefill fit; the two decode step scales): a ratio away
-from 1 means the live cluster ran at another speed in one window than in the other, which a fit
-on the other window cannot know, so it bounds what the judge can show. ``host_load_1m`` is the
-host's load average before and after the live run. ``--keep DIR`` keeps the calibration, the
+Vidur reports under 9% on real GPUs), and the overheads with how they were obtained. Beside
+them, what bounds the judge on a shared host:
+
+- ``conditioning`` of each judged window: how many percent its simulated TTFT p50 and p90
+  move per percent of prefill speed (about 1 at the default x0.2; several times that where
+  queues build, and at or above a ``live_prefill_load`` of 1 the queue grows through the
+  window);
+- ``host_speed``: how far this host's speed wandered during the live run (the same work timed
+  by the workers against one fit of the whole run); times the conditioning, that is what
+  drift alone costs the judge;
+- ``between_windows``: the two fits side by side on the same work; a ratio away from 1 means
+  the cluster ran at another speed in one window than in the other, which a fit on the other
+  cannot know;
+- ``host_cpu``: each window's busy and steal shares of the host's CPU time (``bench.host_cpu``:
+  steal is what the hypervisor gave to other guests), and ``host_load_1m`` around the run.
+
+With ``--repeats K`` (or several ``--reuse`` directories) it judges each live run and then all
+of them: ``over_runs`` holds each fold's median, min and max error and how many runs met the
+goal. A single run's errors scatter with the host's drift between its two windows; their
+median says how far the simulator itself is off. ``--keep DIR`` keeps the calibration, the
 reports, the load, the CPU samples and the run's parameters; ``--reuse DIR`` simulates again
-against a kept live run, at its rate (no cluster, no calibration). ``live_prefill_load`` is each window's
-prefill worker seconds over its arrival span: at or above 1 the queue grows through the
-window and its TTFT hangs on every percent of prefill speed, so judge at a rate that keeps it
-below (``--rate-scale``). Each judged window's ``conditioning`` says by how much: its
-simulated TTFT p50 and p90 move that many percent per percent of prefill speed, and
-``host_speed`` measures how far this host's speed wandered during the live run (the same
-work timed by the workers against one fit of the whole run); their product is what drift
-alone costs the judge. ``host_cpu`` is each window's busy and steal shares of the host's CPU
-time (``bench.host_cpu``: steal is what the hypervisor gave to other guests). Run it on a
-quiet machine: the live cluster shares its cores with everything.
+against a kept live run, at its rate (no cluster, no calibration). Run it on a quiet machine:
+the live cluster shares its cores with everything.
 
 Usage: python -m bench.fidelity [--quick] [--requests 160] [--rate-scale 0.2] [--repeats K]
                                 [--keep DIR | --reuse DIR [DIR ...]]
