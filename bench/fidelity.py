@@ -74,7 +74,6 @@ TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
 # of blocks) and runs to the trace's end (3,993 requests: 153 of the default 160); the first
 # is the stretch just before it. A replay starts with a cold cache.
 SECOND_WINDOW_START = 3840
-TRACE_REQUESTS = 3993
 BLOCK, SNAPSHOT_EVERY, PREFILL_PAGES, DECODE_PAGES = 16, 2, 2048, 4096
 GOAL = 0.15
 SPEED_STEP = 0.1  # conditioning(): every prefill this much longer
@@ -192,9 +191,10 @@ def between_windows(live: list[RequestRecord], fits: dict[str, OverheadFit], cos
     """The two windows' fits on the same work (see the module docstring): second / first."""
     work = prefill_observations(live)
     first, second = (fits[w].overheads for w in ("first", "second"))
-    total = {name: sum(o.live_prefill(costs).prefill_s(n, p) + o.reuse_load_s_per_token * loaded
-                       for n, p, loaded, _ in work)
-             for name, o in (("first", first), ("second", second))}
+    total = {}
+    for name, o in (("first", first), ("second", second)):
+        live = o.live_prefill(costs)
+        total[name] = sum(o.worker_prefill_s(live, n, p, loaded) for n, p, loaded, _ in work)
     return {"num_prefills": len(work),
             "prefill_time_ratio": total["second"] / total["first"] if total["first"] else None,
             "decode_step_scale_ratio": second.decode_step_scale / first.decode_step_scale}
@@ -229,8 +229,8 @@ def host_speed(live: list[RequestRecord], costs: CostModels, windows: dict[str, 
         return None
     o = fit_overheads(live, costs).overheads
     model = o.live_prefill(costs)
-    ratios = np.array([r.prefill_worker_s / (model.prefill_s(r.prompt_len - r.cached_tokens, r.cached_tokens)
-                                             + o.reuse_load_s_per_token * r.loaded_cached_tokens) for r in timed])
+    ratios = np.array([r.prefill_worker_s / o.worker_prefill_s(model, r.prompt_len - r.cached_tokens, r.cached_tokens,
+                                                                r.loaded_cached_tokens) for r in timed])
     by_window = {name: float(np.mean([q for q, r in zip(ratios, timed, strict=True) if r.index in w]))
                  for name, w in windows.items() if any(r.index in w for r in timed)}
     return {"num_prefills": len(timed), "min_new_tokens": HOST_SPEED_MIN_TOKENS,
@@ -263,7 +263,7 @@ def judge(work: Path, args: argparse.Namespace, reuse: bool) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     n, rate_scale = run_parameters(args, work, reuse)
     first = range(SECOND_WINDOW_START - n, SECOND_WINDOW_START)
-    second = range(SECOND_WINDOW_START, min(SECOND_WINDOW_START + n, TRACE_REQUESTS))
+    second = range(SECOND_WINDOW_START, min(SECOND_WINDOW_START + n, len(read_trace(TRACE).requests)))
     transform = TraceTransform(block_size=BLOCK, output_scale=0.1, max_output_tokens=32, rate_scale=rate_scale,
                                index_start=first.start, index_end=second.stop)
     calibration = work / "calibration.json"

@@ -47,16 +47,14 @@ class ClientStream:
         self.ended = False  # the outcome was reported (or the caller reports it)
         self.cached_tier = "unknown"  # where the first prefill's reused prefix came from
         self.predicted = Prediction()  # of the decision that made (or tried to make) the first token
-        self._cached = self._loaded = 0  # prompt tokens the first prefill reused, and copied in of those
-        self._prefill_worker_s = 0.0  # the first prefill as its worker timed it
+        self._first_prefill: PrefillResult | None = None  # the prefill that made the first token
         self._detok = Detokenizer(tokenizer)
         self._unreported = 0  # token intervals at the end of t.intervals not yet given to the metrics
 
     def first(self, decision: RouteDecision, result: PrefillResult) -> pb.GenerateResponse:
         """The first token's message (TTFT); names the workers and the route."""
         self.t.first_token = self.t.last_token = self.clock.now()
-        self._cached, self._loaded = result.cached_tokens, result.loaded_tokens
-        self._prefill_worker_s = result.prefill_s
+        self._first_prefill = result
         self.metrics.first_token(self.req.tenant, self.t.first_token - self.t.arrival,
                                  self.t.prefill_start - self.t.arrival, len(self.req.prompt_ids), result.cached_tokens,
                                  self.cached_tier)
@@ -88,7 +86,7 @@ class ClientStream:
         tokens = self.tokens
         outcome = pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
         self.report(outcome, failure if outcome == "failed" else ("client" if outcome == "cancelled" else ""))
-        now, t = self.clock.now(), self.t
+        now, t, first = self.clock.now(), self.t, self._first_prefill
         decode_s = now - t.first_token if t.first_token else 0.0
         timing = pb.Timing(
             queue_s=(t.prefill_start or now) - t.arrival,
@@ -96,10 +94,10 @@ class ClientStream:
             total_s=now - t.arrival,
             decode_tokens_per_s=(len(tokens) - 1) / decode_s if decode_s > 0 and len(tokens) > 1 else 0.0,
             predicted_ttft_s=self.predicted.ttft_s, predicted_tbt_s=self.predicted.tbt_s,
-            prefill_worker_s=self._prefill_worker_s,
+            prefill_worker_s=first.prefill_s if first else 0.0,
         )
-        usage = pb.Usage(prompt_tokens=len(self.req.prompt_ids), cached_tokens=self._cached,
-                         completion_tokens=len(tokens), loaded_cached_tokens=self._loaded)
+        usage = pb.Usage(prompt_tokens=len(self.req.prompt_ids), cached_tokens=first.cached_tokens if first else 0,
+                         completion_tokens=len(tokens), loaded_cached_tokens=first.loaded_tokens if first else 0)
         return pb.GenerateResponse(request_id=self.request_id, finish_reason=reason, usage=usage, timing=timing,
                                    error=error, text=self._detok.flush())
 

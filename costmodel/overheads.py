@@ -110,6 +110,11 @@ class ClusterOverheads:
             return costs
         return dataclasses.replace(costs, **dict(zip(PREFILL_TERMS, self.prefill_coefficients, strict=True)))
 
+    def worker_prefill_s(self, live: CostModels, num_new: int, num_reused: int, num_loaded: int) -> float:
+        """A prefill's time on the live worker; ``live`` is ``live_prefill(costs)``, made once
+        by the caller. ``num_loaded`` of the reused tokens were copied in, not reused in place."""
+        return live.prefill_s(num_new, num_reused) + self.reuse_load_s_per_token * num_loaded
+
     def decode_step_s(self, calibrated_s: float) -> float:
         return self.decode_step_scale * calibrated_s
 

@@ -58,8 +58,8 @@ class SimPrefill:
                  on_start: Callable[[SimPrefillJob], None] = lambda job: None):
         self.worker_id, self.config, self.costs, self.index, self.loop = worker_id, config, costs, index, loop
         self.peers, self.on_done, self.on_start, self.backend = peers, on_done, on_start, backend
+        self.overheads = overheads
         self.live_costs = overheads.live_prefill(costs)  # the worker's own time; costs stays for pulls and sizes
-        self.load_s_per_token = overheads.reuse_load_s_per_token
         self.block_size = config.block_size
         self.snapshots = SnapshotPolicy(config.snapshot_interval_blocks)
         tiers = {Tier.DRAM: SizedTier(Tier.DRAM, config.dram_bytes), Tier.SSD: SizedTier(Tier.SSD, config.ssd_bytes)}
@@ -119,8 +119,8 @@ class SimPrefill:
         job.started_s = self.loop.now
         pull_s = self._reuse(job)
         n, reused = job.num_prompt_tokens, job.num_reused_tokens
-        job.worker_s = (pull_s + self.live_costs.prefill_s(n - reused, reused)
-                        + self.load_s_per_token * job.num_loaded_tokens)
+        job.worker_s = pull_s + self.overheads.worker_prefill_s(self.live_costs, n - reused, reused,
+                                                                job.num_loaded_tokens)
         self.num_busy_s += job.worker_s
         self.on_start(job)
         self.loop.at(self.loop.now + job.worker_s, self._finish, job)

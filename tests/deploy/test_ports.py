@@ -10,10 +10,10 @@ from runtime.ports import LOWEST_PORT, ephemeral_range, free_port
 
 def test_free_ports_are_bindable_distinct_and_outside_the_ephemeral_range():
     low, high = ephemeral_range()
-    ports = [free_port() for _ in range(50)]
-    assert len(set(ports)) == len(ports)
-    assert all(LOWEST_PORT <= p < low or p > high for p in ports)
-    for port in ports[:5]:
+    picked = [free_port() for _ in range(50)]  # not "ports": that is the module the next test patches
+    assert len(set(picked)) == len(picked)
+    assert all(LOWEST_PORT <= p < low or p > high for p in picked)
+    for port in picked[:5]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
 
