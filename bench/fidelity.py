@@ -65,11 +65,11 @@ from replay.report import write_report
 from replay.sim.fit import OverheadFit, fit_overheads, prefill_observations
 from replay.sim.run import SimConfig, simulate
 from replay.summary import summarize
-from replay.traces import read_trace
+from replay.traces import SYNTHETIC_TRACE, read_trace
 from replay.transform import TraceTransform, apply_transform
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
+TRACE = SYNTHETIC_TRACE
 # The second window starts the trace's 120-request stretch with the most reuse inside it (54%
 # of blocks) and runs to the trace's end (3,993 requests: 153 of the default 160); the first
 # is the stretch just before it. A replay starts with a cold cache.

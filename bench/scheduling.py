@@ -28,11 +28,11 @@ from pathlib import Path
 from conductor.client import Client
 from deploy.local import ClusterConfig, LocalCluster
 from replay.live import run_live_replay
-from replay.traces import read_trace
+from replay.traces import SYNTHETIC_TRACE, read_trace
 from replay.transform import TraceTransform, apply_transform
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
+TRACE = SYNTHETIC_TRACE
 # The trace's 120-request window with the most reuse inside it (54% of blocks): a replay starts
 # with a cold cache, so a window that mostly reuses earlier requests would show no reuse at all.
 WINDOW_START = 3840

@@ -38,11 +38,11 @@ from costmodel import CostModels
 from decode_worker.config import DecodeConfig
 from prefill_worker.config import PrefillConfig
 from replay.sim.run import SimConfig, simulate
-from replay.traces import read_trace
+from replay.traces import SYNTHETIC_TRACE, read_trace
 from replay.transform import TraceTransform, apply_transform
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
+TRACE = SYNTHETIC_TRACE
 GPU_LIKE = dict(prefill_s_per_token=1e-4, decode_base_s=0.02, decode_s_per_request=5e-4,
                 decode_s_per_context_token=0.0, kv_bytes_per_token=1280, snapshot_bytes=300_000,
                 transfer_bytes_per_s=5e9)

@@ -37,11 +37,11 @@ from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
 from replay.live import run_live_replay
 from replay.records import FINISHED
-from replay.traces import read_trace
+from replay.traces import SYNTHETIC_TRACE, read_trace
 from replay.transform import ReplayRequest, TraceTransform, apply_transform
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
+TRACE = SYNTHETIC_TRACE
 BLOCK = 16
 # Small store tiers, full within the first minutes: from then on a growing RSS is a leak, not the
 # prefix cache filling up (the DRAM tier's default is 512 MB).

@@ -42,6 +42,8 @@ from typing import Any
 
 FORMATS = ("mooncake", "jsonl", "csv")
 MOONCAKE_BLOCK_TOKENS = 512
+# Mooncake's FAST'25 synthetic trace, shipped in the checkout with its license (data/traces/).
+SYNTHETIC_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "synthetic_trace.jsonl"
 GENERIC_FIELDS = ("arrival_s", "output_length", "prompt_token_ids", "input_length", "hash_ids", "tenant",
                   "request_id", "ttft_slo_s", "tbt_slo_s")
 

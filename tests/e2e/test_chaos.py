@@ -18,7 +18,6 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 
@@ -30,12 +29,12 @@ from proto import inference_pb2 as pb
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
 from replay.records import FINISHED
-from replay.traces import read_trace
+from replay.traces import SYNTHETIC_TRACE, read_trace
 from replay.transform import ReplayRequest, TraceTransform, apply_transform
 from tests.e2e.conftest import BLOCK, DECODE_ARGS, WORKER_ARGS
 from tests.e2e.helpers import wait_all_freed
 
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "synthetic_trace.jsonl"
+TRACE = SYNTHETIC_TRACE
 # The window of the trace with the most reuse inside it (bench/scheduling.py), so pulls and
 # local hits run while workers die.
 WINDOW_START, NUM_REQUESTS = 3840, 40

@@ -16,7 +16,7 @@ from observe.prometheus import RULES_PATH, PrometheusClient, PrometheusError
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD_DIR = ROOT / "deploy" / "grafana"
-SCHEMA_DIR = ROOT.parent / "shared" / "reference" / "grafana-schema"
+SCHEMA_DIR = ROOT / "data" / "grafana-schema"
 NAME = re.compile(r"\btidekv:[A-Za-z0-9_:]+")
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import statistics
 from collections import OrderedDict
-from pathlib import Path
 
 import pytest
 
@@ -16,12 +15,11 @@ from costmodel import CostModels
 from decode_worker.config import DecodeConfig
 from prefill_worker.config import PrefillConfig
 from replay.sim.run import SimConfig, SimResult, simulate
-from replay.traces import read_trace
+from replay.traces import SYNTHETIC_TRACE, read_trace
 from replay.transform import TraceTransform, apply_transform
 
 # shared/ lies beside the clone (here and in CI)
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "synthetic_trace.jsonl"
-pytestmark = pytest.mark.skipif(not TRACE.exists(), reason=f"the shared trace is not at {TRACE}")
+TRACE = SYNTHETIC_TRACE
 
 BLOCK = 512  # one cluster block per trace block: the trace's own granularity
 KV_BYTES, SNAPSHOT_BYTES = 1280, 300_000

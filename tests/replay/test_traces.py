@@ -5,11 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from replay.traces import Trace, TraceRequest, read_trace, write_trace
+from replay.traces import SYNTHETIC_TRACE, Trace, TraceRequest, read_trace, write_trace
 
-SYNTHETIC = Path("/work/shared/traces/synthetic_trace.jsonl")
-if not SYNTHETIC.exists():
-    SYNTHETIC = Path(__file__).resolve().parents[3] / "shared" / "traces" / "synthetic_trace.jsonl"
+SYNTHETIC = SYNTHETIC_TRACE
 
 
 def write_lines(path: Path, lines: list) -> Path:
@@ -17,7 +15,6 @@ def write_lines(path: Path, lines: list) -> Path:
     return path
 
 
-@pytest.mark.skipif(not SYNTHETIC.exists(), reason="shared synthetic trace not present")
 def test_synthetic_mooncake_trace():
     trace = read_trace(SYNTHETIC)
     assert isinstance(trace, Trace) and trace.format == "mooncake" and trace.block_tokens == 512
