@@ -4,7 +4,7 @@
   between consecutive tokens of each request, p50 and p99. On: ``DecodeMetrics`` with its
   registry served over HTTP and scraped every second (as Prometheus would); off: disabled.
 - Conductor requests/s: the real ``RequestLife`` and ``ConductorCore`` (mooncake policy, a
-  ``Cluster`` over a ``MemoryIndex`` with one prefill and one decode worker) over a dispatcher
+  ``Cluster`` over its in-memory state with one prefill and one decode worker) over a dispatcher
   that answers at once, so the figure is the Conductor's own cost per request. On:
   ``ConductorMetrics``; off: ``RequestRecords()`` without metrics.
 On and off alternate in rounds so drift affects both alike.
@@ -40,7 +40,6 @@ from costmodel.builtin import tiny_cpu_estimate
 from decode_worker.metrics import DecodeMetrics
 from decode_worker.scheduler import DecodeScheduler, Finished
 from engine.sampler import SamplingParams
-from kvstore.index_memory import MemoryIndex
 from proto import internal_pb2 as ipb
 from runtime.auth import CONDUCTOR, Member, worker_principal
 from runtime.metrics import Identity, TenantLabels, start_metrics
@@ -121,7 +120,7 @@ class _InstantDispatcher:
 
 
 def conductor_core(config: ConductorConfig) -> ConductorCore:
-    cluster = Cluster(MemoryIndex(ttl_s=3600), Member(b"in-process" * 8, CONDUCTOR))
+    cluster = Cluster.in_memory(Member(b"in-process" * 8, CONDUCTOR), ttl_s=3600)
     fp = engine.load_model("tiny").fingerprint
     for worker_id, role in (("prefill-0", ipb.WORKER_ROLE_PREFILL), ("decode-0", ipb.WORKER_ROLE_DECODE)):
         cluster.register(ipb.WorkerInfo(worker_id=worker_id, role=role, rpc_address="127.0.0.1:1",

@@ -51,6 +51,12 @@ class ClientStream:
         self._detok = Detokenizer(tokenizer)
         self._unreported = 0  # token intervals at the end of t.intervals not yet given to the metrics
 
+    def resume(self, tokens: tuple[int, ...]) -> None:
+        """The stream goes on after ``tokens``, which a Conductor that failed already sent: they
+        count as sent (usage, max tokens) and their text as shown (``GenerateRequest.resume``)."""
+        self.tokens.extend(tokens)
+        self._detok.push(tokens)
+
     def first(self, decision: RouteDecision, result: PrefillResult) -> pb.GenerateResponse:
         """The first token's message (TTFT); names the workers and the route."""
         self.t.first_token = self.t.last_token = self.clock.now()
@@ -61,8 +67,8 @@ class ClientStream:
         self.tokens.append(result.first_token)
         text = self._detok.push((result.first_token,))
         usage = pb.Usage(prompt_tokens=len(self.req.prompt_ids), cached_tokens=result.cached_tokens,
-                         completion_tokens=1, loaded_cached_tokens=result.loaded_tokens)
-        return pb.GenerateResponse(request_id=self.request_id, token_ids=self.tokens, text=text,
+                         completion_tokens=len(self.tokens), loaded_cached_tokens=result.loaded_tokens)
+        return pb.GenerateResponse(request_id=self.request_id, token_ids=(result.first_token,), text=text,
                                    usage=usage, prefill_worker=decision.prefill_worker,
                                    decode_worker=decision.decode_worker, pulled_from=decision.reuse.holder or "",
                                    route_branch=decision.branch.value)

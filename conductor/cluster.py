@@ -1,152 +1,205 @@
-"""The Conductor's registry side: the global index, worker addresses and stubs.
+"""The Conductor's side of the registry: who may join, what the log is told, and the stubs
+that reach each worker.
 
-Owns registration checks (one model, one block size, and any extra check the Conductor
-adds, such as its calibration's model fingerprint), heartbeats into the index, block events
-into the index, gRPC stubs per worker, and the registry view a snapshot is built from.
+The cluster's state (registrations, leases, loads, block holdings) is owned by
+``clusterstate.ClusterState`` and changed only through the cluster's log
+(``clusterstate.log``), so every Conductor replica holds the same one. This module checks
+each change before it goes into the log: a worker may register only itself, with the
+cluster's one model and block size (and any extra check the Conductor adds, such as its
+calibration's model fingerprint); while an instance of an id is alive, a Register of the same
+id from another instance is refused and logged with both addresses; once it has stopped
+heartbeating, a new instance replaces it (and its blocks are dropped). Heartbeats, and the
+block events on Prefill responses, are published as they come.
 
-A worker id is bound to the instance that registered it (``WorkerInfo.instance_id``, a
-secret the process drew): while that instance is alive, a Register of the same id from
-another instance is refused and logged with both addresses; once it has stopped
-heartbeating, a new instance replaces it (and its blocks are dropped). Each worker's stubs
-sign with the session key of its instance (``runtime.auth``), which also checks its
-heartbeats (``session_key_for``). Thread-safe: the index is; the local maps are guarded by
-one lock.
+The stubs to a worker sign with the session key of the instance that registered it
+(``runtime.auth.session_key``, derived from the cluster secret and its instance id), so any
+replica can call any worker, whichever one took its Register. They are derived from the
+state and cached per instance. Thread-safe.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from clusterstate.log import EntryApplier, LocalLog, StateLog, entry, record_of
+from clusterstate.records import StoreKeys
+from clusterstate.state import ClusterState
+from clusterstate.workers import WorkerInfo, WorkerRole
 from conductor.snapshot import RegistryEntry
 from kvstore.blocks import BlockKey
-from kvstore.index import BlockEvent, GlobalIndex, MatchSnapshot, WorkerInfo, WorkerRole
+from kvstore.index import BlockEvent, MatchSnapshot
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
-from proto.convert import block_event_from_proto, load_from_proto, load_to_proto
+from proto import state_pb2 as spb
+from proto.convert import (
+    block_event,
+    block_event_from_proto,
+    load_from_proto,
+    load_to_proto,
+    worker_from_proto,
+    worker_to_proto,
+)
 from runtime.auth import Member, session_key, worker_of, worker_principal
 
 log = logging.getLogger(__name__)
-
-ROLE = {ipb.WORKER_ROLE_PREFILL: WorkerRole.PREFILL, ipb.WORKER_ROLE_DECODE: WorkerRole.DECODE}
+MIN_INSTANCE_ID_LEN = 16
 
 
 @dataclass(frozen=True)
 class Endpoint:
-    info: ipb.WorkerInfo
+    """How this Conductor reaches one worker instance."""
+
+    info: WorkerInfo
     prefill: igrpc.PrefillStub | None
     decode: igrpc.DecodeStub | None
     session_key: bytes = b""
 
 
 class Cluster:
-    def __init__(self, index: GlobalIndex, member: Member,
-                 check: Callable[[ipb.WorkerInfo], str | None] = lambda info: None):
-        """``member``: the Conductor's credential; ``check(info)``: an extra registration
-        check, returning the reason to refuse or None."""
-        self.index = index
-        self.member = member
+    """``state``: what ``log`` applies its entries to; ``check(info)``: an extra registration
+    check, returning the reason to refuse or None."""
+
+    def __init__(self, state: ClusterState, state_log: StateLog, member: Member, keys: StoreKeys,
+                 check: Callable[[WorkerInfo], str | None] = lambda info: None):
+        self.state, self.log, self.member, self.keys = state, state_log, member, keys
+        self.replica_id = state_log.replica_id
         self._check = check
         self._lock = threading.Lock()
-        self._endpoints: dict[str, Endpoint] = {}
-        self.model_fingerprint: str | None = None
-        self.block_size: int | None = None
+        self._endpoints: dict[str, Endpoint] = {}  # derived from the state, per worker instance
+        self._model: tuple[str, int] | None = None  # (fingerprint, block size) once a worker registered
 
-    # ---- registry -----------------------------------------------------------------------------
-    def register(self, info: ipb.WorkerInfo, principal: str) -> str | None:
-        """None when accepted, else the reason for refusing the worker. ``principal``: who
-        signed the call (a worker may register only its own id)."""
-        if principal != worker_principal(info.worker_id):
-            return f"{principal} may not register worker {info.worker_id}"
-        if info.role not in ROLE:
-            return f"worker {info.worker_id}: role must be prefill or decode"
-        if len(info.instance_id) < 16:
+    @classmethod
+    def in_memory(cls, member: Member, ttl_s: float = 10.0, clock: Callable[[], float] = time.time,
+                  check: Callable[[WorkerInfo], str | None] = lambda info: None) -> Cluster:
+        """A cluster of one Conductor: its own state, an in-process log."""
+        state, keys = ClusterState(ttl_s, clock), StoreKeys.from_secret(member.secret)
+        return cls(state, LocalLog(EntryApplier(state, keys)), member, keys, check)
+
+    # ---- the model the cluster serves ----------------------------------------------------------
+    @property
+    def model_fingerprint(self) -> str | None:
+        model = self._served()
+        return model[0] if model else None
+
+    @property
+    def block_size(self) -> int | None:
+        model = self._served()
+        return model[1] if model else None
+
+    def _served(self) -> tuple[str, int] | None:
+        """The model of the first worker this Conductor saw (registered here or through the log)."""
+        if self._model is None:
+            workers = self.state.workers()
+            if workers:
+                info = workers[0][0]
+                self._model = (info.model_fingerprint, info.block_size)
+        return self._model
+
+    # ---- changes ------------------------------------------------------------------------------
+    def register(self, wire: ipb.WorkerInfo, principal: str) -> str | None:
+        """None when accepted (and in the log), else the reason for refusing the worker.
+        ``principal``: who signed the call (a worker may register only its own id)."""
+        if principal != worker_principal(wire.worker_id):
+            return f"{principal} may not register worker {wire.worker_id}"
+        try:
+            info = worker_from_proto(wire)
+        except ValueError as e:
+            return str(e)
+        if len(info.instance_id) < MIN_INSTANCE_ID_LEN:
             return f"worker {info.worker_id}: registration without an instance_id"
-        reason = self._check(info)
+        reason = self._check(info) or self._check_model(info) or self._check_instance(info)
         if reason is not None:
             log.error("refused worker %s: %s", info.worker_id, reason)
             return reason
-        alive = {w.worker_id for w, _ in self.index.workers()}
-        with self._lock:
-            if self.model_fingerprint is None:
-                self.model_fingerprint, self.block_size = info.model_fingerprint, info.block_size
-            if info.model_fingerprint != self.model_fingerprint or info.block_size != self.block_size:
-                return (f"worker {info.worker_id} serves model {info.model_fingerprint} with block size "
-                        f"{info.block_size}; this cluster serves {self.model_fingerprint} with {self.block_size}")
-            old = self._endpoints.get(info.worker_id)
-            replaced = old is not None and old.info.instance_id != info.instance_id
-            if replaced and info.worker_id in alive:
-                log.warning("refused Register of worker %s from %s: that id is alive at %s as another instance",
-                            info.worker_id, info.rpc_address, old.info.rpc_address)
-                return (f"worker {info.worker_id} is alive at {old.info.rpc_address} as another instance; a new "
-                        f"instance may take the id once the old one stops heartbeating")
-            key = session_key(self.member.secret, info.worker_id, info.instance_id)
-            ch = self.member.channel(info.rpc_address, key)
-            is_prefill = info.role == ipb.WORKER_ROLE_PREFILL
-            self._endpoints[info.worker_id] = Endpoint(
-                info, igrpc.PrefillStub(ch) if is_prefill else None, None if is_prefill else igrpc.DecodeStub(ch),
-                key)
-        if replaced:  # a new process under the id: what the old one held is not held now
-            log.warning("worker %s re-registered as a new instance from %s (was %s): dropping its old blocks",
-                        info.worker_id, info.rpc_address, old.info.rpc_address)
-            self.index.remove(info.worker_id)
-        self.index.register(WorkerInfo(info.worker_id, ROLE[info.role], info.rpc_address, info.num_pages_total,
-                                       info.dram_capacity_bytes, info.ssd_capacity_bytes))
-        log.info("registered %s %s at %s", ROLE[info.role], info.worker_id, info.rpc_address)
+        self.log.publish(entry(self.replica_id, self.state.now(), registered=record_of(info, self.keys)))
+        log.info("registered %s %s at %s", info.role, info.worker_id, info.rpc_address)
         return None
 
+    def _check_model(self, info: WorkerInfo) -> str | None:
+        with self._lock:
+            model = self._served() or (info.model_fingerprint, info.block_size)
+            self._model = model
+        if (info.model_fingerprint, info.block_size) != model:
+            return (f"worker {info.worker_id} serves model {info.model_fingerprint} with block size "
+                    f"{info.block_size}; this cluster serves {model[0]} with {model[1]}")
+        return None
+
+    def _check_instance(self, info: WorkerInfo) -> str | None:
+        old = self.state.worker(info.worker_id)
+        if old is None or old.instance_id == info.instance_id:
+            return None
+        log.warning("refused Register of worker %s from %s: that id is alive at %s as another instance",
+                    info.worker_id, info.rpc_address, old.rpc_address)
+        return (f"worker {info.worker_id} is alive at {old.rpc_address} as another instance; a new "
+                f"instance may take the id once the old one stops heartbeating")
+
+    def heartbeat(self, worker_id: str, load: ipb.WorkerLoad, events: Sequence[ipb.BlockEvent], seq: int = 0) -> bool:
+        """False when the cluster does not know the worker (it must register again);
+        ``ValueError`` for a malformed load or event (checked before anything is published)."""
+        if self.state.worker(worker_id) is None:
+            return False
+        load_from_proto(load)
+        for e in events:
+            block_event_from_proto(worker_id, e)
+        change = spb.HeartbeatEntry(worker_id=worker_id, load=load, events=events, seq=seq)
+        self.log.publish(entry(self.replica_id, self.state.now(), heartbeat=change))
+        return True
+
+    def apply_events(self, events: Sequence[BlockEvent]) -> None:
+        """Blocks a prefill stored (from its Prefill response), into the log at once."""
+        by_worker: dict[str, list[ipb.BlockEvent]] = {}
+        for e in events:
+            by_worker.setdefault(e.worker_id, []).append(block_event(e.key, e.tier, e.has_snapshot))
+        for worker_id, wire in by_worker.items():
+            change = spb.BlocksEntry(worker_id=worker_id, events=wire)
+            self.log.publish(entry(self.replica_id, self.state.now(), blocks=change))
+
+    def reap_expired(self) -> tuple[str, ...]:
+        """Drop workers whose lease ran out (each replica does so by the same clock)."""
+        return self.state.reap_expired()
+
+    # ---- reaching workers ---------------------------------------------------------------------
     def session_key_for(self, principal: str) -> bytes | None:
         """The session key a ``worker/<id>`` principal signs its heartbeats with (None: unknown)."""
         worker_id = worker_of(principal)
-        with self._lock:
-            ep = self._endpoints.get(worker_id) if worker_id is not None else None
-        return ep.session_key if ep is not None else None
-
-    def heartbeat(self, worker_id: str, load: ipb.WorkerLoad, events: Sequence[ipb.BlockEvent]) -> bool:
-        """False when this Conductor does not know the worker (it must register again)."""
-        with self._lock:
-            if worker_id not in self._endpoints:
-                return False
-        alive = self.index.heartbeat(worker_id, load_from_proto(load))
-        if alive:
-            self.index.apply([block_event_from_proto(worker_id, e) for e in events])
-        return alive
-
-    def apply_events(self, events: Sequence[BlockEvent]) -> None:
-        if events:
-            self.index.apply(events)
+        info = self.state.worker(worker_id) if worker_id is not None else None
+        return session_key(self.member.secret, info.worker_id, info.instance_id) if info is not None else None
 
     def endpoint(self, worker_id: str) -> Endpoint:
+        """The stubs of the alive worker ``worker_id``; KeyError when it is not alive."""
+        info = self.state.worker(worker_id)
+        if info is None:
+            raise KeyError(f"worker {worker_id} is not alive")
         with self._lock:
-            return self._endpoints[worker_id]
+            ep = self._endpoints.get(worker_id)
+            if ep is None or ep.info != info:
+                key = session_key(self.member.secret, info.worker_id, info.instance_id)
+                ch = self.member.channel(info.rpc_address, key)
+                is_prefill = info.role is WorkerRole.PREFILL
+                ep = self._endpoints[worker_id] = Endpoint(
+                    info, igrpc.PrefillStub(ch) if is_prefill else None,
+                    None if is_prefill else igrpc.DecodeStub(ch), key)
+            return ep
+
+    # ---- reading ------------------------------------------------------------------------------
+    @property
+    def lag_s(self) -> float:
+        """How far the state is behind the cluster's log (seconds; 0: caught up)."""
+        return self.log.lag_s
 
     def match(self, keys: Sequence[BlockKey]) -> MatchSnapshot | None:
-        return self.index.match(keys) if keys else None
+        return self.state.match(keys) if keys else None
 
     def registry_view(self, wall_now_s: float) -> tuple[RegistryEntry, ...]:
-        """Alive workers known here, with their latest load and its age (by ``wall_now_s``)."""
-        with self._lock:
-            known = dict(self._endpoints)
-        out = []
-        for info, load in self.index.workers():
-            ep = known.get(info.worker_id)
-            if ep is None:
-                continue
-            age_s = max(0.0, wall_now_s - load.timestamp_s) if load.timestamp_s else 0.0
-            out.append(RegistryEntry(info.worker_id, info.role, info.address, ep.info.transfer_address, load, age_s))
-        return tuple(out)
+        """Alive workers with their latest load and its age (by ``wall_now_s``)."""
+        return tuple(RegistryEntry(info, load, max(0.0, wall_now_s - load.timestamp_s) if load.timestamp_s else 0.0)
+                     for info, load in self.state.workers())
 
     def alive(self) -> list[tuple[ipb.WorkerInfo, ipb.WorkerLoad]]:
-        """Alive workers known here as wire messages (the Registry/Workers RPC)."""
-        with self._lock:
-            known = dict(self._endpoints)
-        out = []
-        for info, load in self.index.workers():
-            if info.worker_id in known:
-                public = ipb.WorkerInfo()
-                public.CopyFrom(known[info.worker_id].info)
-                public.ClearField("instance_id")  # the secret binding the id to its process
-                out.append((public, load_to_proto(load)))
-        return out
+        """Alive workers as wire messages, without their instance ids (the Registry/Workers RPC)."""
+        return [(worker_to_proto(info.public()), load_to_proto(load)) for info, load in self.state.workers()]
+

@@ -102,7 +102,16 @@ class ConductorConfig:
     metrics_tenants: tuple[str, ...] = field(default=(), metadata={
         "help": "tenants that get their own metrics label value (others are counted as 'other')"})
     policy: str = field(default="mooncake", metadata={"help": "routing policy", "choices": _policy_names})
-    index: str = field(default="memory", metadata={"help": "memory (embedded) or redis://127.0.0.1:6379"})
+    index: str = field(default="memory", metadata={
+        "help": "where the cluster state lives: memory (this Conductor only), or a store that Conductor replicas "
+                "share: redis://HOST:PORT[/DB], rediss://... (TLS) or redis+sentinel://HOST:PORT[,...]/SERVICE"})
+    index_password_file: str = field(default="", metadata={"help": "file with the store's password (AUTH; a user "
+                                                                   "goes in the URL: redis://USER@HOST:PORT)"})
+    index_tls_ca: str = field(default="", metadata={"help": "PEM CA that a rediss:// store's certificate is "
+                                                            "verified against (default: the system's)"})
+    index_namespace: str = field(default="tidekv", metadata={"help": "prefix of every key in the store"})
+    max_index_lag_s: float = field(default=5.0, metadata={
+        "help": "a replica whose state is further behind the store's log than this is not ready"})
     calibration: str = field(default="", metadata={"help": "cost-model file from `tidekv calibrate` "
                                                            "(needed by mooncake; default: the built-in estimate)"})
     worker_ttl_s: float = field(default=3.0, metadata={"help": "a worker silent this long is dropped"})
@@ -169,6 +178,8 @@ class ConductorConfig:
             raise ValueError(f"prefill_timeout_s {self.prefill_timeout_s}, decode_stall_timeout_s "
                              f"{self.decode_stall_timeout_s} and max_decode_migrations "
                              f"{self.max_decode_migrations} must be >= 0")
+        if self.max_index_lag_s <= 0:
+            raise ValueError(f"max_index_lag_s {self.max_index_lag_s} must be > 0")
         if self.max_queue_wait_s < 0:
             raise ValueError(f"max_queue_wait_s {self.max_queue_wait_s} < 0")
         if not -1 <= self.metrics_port < 65536:

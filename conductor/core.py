@@ -5,13 +5,18 @@ processes of its own, so the simulator drives the same code.
 ``ClusterSnapshot`` (``conductor.snapshot.build_snapshot``: a pure function of the registry
 view, the index matches, the pending overlay and the time), asks the policy, and records an
 accepted decision in the pending overlay. Applying the decision is the lifecycle's job
-(``conductor.lifecycle`` with a ``Dispatcher``).
+(``conductor.lifecycle`` with a ``Dispatcher``); what it learns goes back through the
+core's transitions, the only writers of the core's bookkeeping, live and simulated alike:
+``prefilled`` (the prefill's blocks go to the index, its time to the speed tracker),
+``decoding``, ``generated`` and ``finished``. With Conductor replicas, each transition is also
+shared (``share``) so the other replicas' pending overlays count this one's work, and theirs
+arrive through ``apply_overlay``.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,11 +24,13 @@ from conductor.clock import Clock
 from conductor.config import SLOTable
 from conductor.heat import PrefixHeat
 from conductor.pending import PendingWork
+from conductor.replicas import RemoteReplicas, routed_entry
 from conductor.routing import ClusterSnapshot, Policy, Rejection, RejectKind, RouteDecision, RouteRequest, WorkerView
 from conductor.snapshot import RegistryEntry, build_snapshot
 from conductor.speed import WorkerSpeed
 from kvstore.blocks import BlockKey, chain_keys
-from kvstore.index import MatchSnapshot
+from kvstore.index import BlockEvent, MatchSnapshot
+from proto import state_pb2 as spb
 
 RETRY_NOT_READY_S = 5.0
 
@@ -37,6 +44,9 @@ class ClusterView(Protocol):
     def registry_view(self, wall_now_s: float) -> tuple[RegistryEntry, ...]: ...
 
     def match(self, keys: Sequence[BlockKey]) -> MatchSnapshot | None: ...
+
+    def apply_events(self, events: Sequence[BlockEvent]) -> None:
+        """Blocks a prefill stored, into the index before the next request routes."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,7 @@ class RequestFacts:
     tbt_slo_s: float = 0.0
     block_keys: tuple[BlockKey, ...] | None = None
     num_prompt_tokens: int = 0  # 0: len(prompt_ids)
+    live_key: bytes = b""  # the client's (tenant, request id), hashed: other replicas refuse a duplicate
 
     @property
     def prompt_len(self) -> int:
@@ -71,12 +82,18 @@ class RequestFacts:
 
 
 class ConductorCore:
+    """``share(entry)``: hands each transition on to the other Conductor replicas (none: one
+    Conductor)."""
+
     def __init__(self, cluster: ClusterView, policy: Policy, slos: SLOTable, clock: Clock,
-                 pending: PendingWork | None = None, heat: PrefixHeat | None = None):
+                 pending: PendingWork | None = None, heat: PrefixHeat | None = None,
+                 share: Callable[[spb.PendingEntry], None] | None = None):
         self.cluster, self.policy, self.slos, self.clock = cluster, policy, slos, clock
         self.pending = pending or PendingWork()
         self.heat = heat or PrefixHeat()
         self.speed = WorkerSpeed()
+        self._share = share
+        self.replicas = RemoteReplicas(self.pending)
         # One decision at a time: a request must see the overlay of the one routed just before it.
         self._lock = threading.Lock()
 
@@ -106,8 +123,45 @@ class ConductorCore:
                                            snapshot.time_s, snapshot.prefix_rate_per_s)
             outcome = self.policy(snapshot, request)
             if isinstance(outcome, RouteDecision):
-                self.pending.route(request, outcome, now_s)
+                record = self.pending.route(request, outcome, now_s)
+                if self._share is not None:
+                    self._share(routed_entry(record, facts.live_key))
         return Routed(outcome, request, keys, snapshot)
+
+    # ---- transitions: what applying a decision tells the core ---------------------------------
+    def prefilled(self, request_id: str, prefill_worker: str, model_prefill_s: float, worker_prefill_s: float,
+                  events: Sequence[BlockEvent] = ()) -> None:
+        """A placement's prefill returned its first token: it leaves the prefill queue, its
+        stored blocks enter the index, and the worker's time against the prediction updates
+        its speed factor."""
+        self.pending.prefill_done(request_id, self.clock.now())
+        if events:
+            self.cluster.apply_events(events)
+        self.speed.observe(prefill_worker, model_prefill_s, worker_prefill_s)
+        self._shared(spb.PENDING_KIND_PREFILL_DONE, request_id)
+
+    def decoding(self, request_id: str) -> None:
+        """The request joined (or is joining) its decode worker's batch."""
+        self.pending.decode_started(request_id, self.clock.now())
+        self._shared(spb.PENDING_KIND_DECODING, request_id)
+
+    def generated(self, request_id: str, num_tokens: int) -> None:
+        """The current placement has generated ``num_tokens`` (kept here only: heartbeats carry
+        the decode workers' context to the other replicas)."""
+        self.pending.generated(request_id, num_tokens)
+
+    def finished(self, request_id: str) -> None:
+        """The request ended (any way) or is placed again: its work leaves both workers."""
+        if self.pending.finish(request_id, self.clock.now()):
+            self._shared(spb.PENDING_KIND_FINISHED, request_id)
+
+    def _shared(self, kind: int, request_id: str) -> None:
+        if self._share is not None:
+            self._share(spb.PendingEntry(kind=kind, request_id=request_id))
+
+    def apply_overlay(self, entry: spb.StateEntry) -> None:
+        """Another replica's transition or liveness (from the cluster's log)."""
+        self.replicas.apply(entry, self.clock.now(), self.clock.wall())
 
 
 def _without(workers: tuple[WorkerView, ...], avoid: Sequence[str]) -> tuple[WorkerView, ...]:

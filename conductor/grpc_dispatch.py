@@ -5,7 +5,10 @@ events on the Prefill response to index events, and cancels in-flight calls thro
 lifecycle's cancel hooks. A prefill past its attempt's bound (``PrefillCall.timeout_s``)
 before the request's deadline is ``STALLED``; so is a decode stream that sends nothing for
 ``decode_stall_s`` (a hung decode worker: ``StallWatch`` cancels it, and the lifecycle
-migrates the request). A plan that pulls a prefix carries the Conductor's grant for it.
+migrates the request). A plan that pulls a prefix carries the Conductor's grant for it. A worker that stops
+heartbeating (dead, or a stopped process) is out of the registry within about a lease, and
+``workers_lost`` then gives up every call in flight to it as ``STALLED``, so its requests are
+retried or migrated at once rather than after the prefill timeout.
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
-from conductor.cluster import Cluster
+from conductor.cluster import Cluster, Endpoint
 from conductor.dispatch import CancelHook, DecodeChunk, DispatchError, FailureKind, PrefillCall, PrefillResult
 from engine.sampler import SamplingParams
 from proto import internal_pb2 as ipb
@@ -55,6 +58,11 @@ def failure_kind(code: grpc.StatusCode | None, details: str = "") -> FailureKind
     if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) and any(m in lowered for m in _CONNECTION_LOST):
         return FailureKind.UNAVAILABLE
     return kind
+
+
+def _lost(worker_id: str, what: str) -> DispatchError:
+    return DispatchError(FailureKind.STALLED, worker_id, f"{what} given up: the worker stopped heartbeating "
+                                                       f"(dead or hung)")
 
 
 def _error(worker_id: str, e: grpc.RpcError, what: str) -> DispatchError:
@@ -104,16 +112,62 @@ class StallWatch:
             self.check()
 
 
+class InFlight:
+    """The calls in flight per worker, so that a lost worker's can be given up at once."""
+
+    def __init__(self) -> None:
+        self._calls: dict[str, dict[int, Callable[[], object]]] = {}
+        self._lost: set[int] = set()
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    def add(self, worker_id: str, cancel: Callable[[], object]) -> int:
+        with self._lock:
+            key = next(self._ids)
+            self._calls.setdefault(worker_id, {})[key] = cancel
+            return key
+
+    def done(self, worker_id: str, key: int) -> bool:
+        """Stops tracking the call; True when it was given up because its worker was lost."""
+        with self._lock:
+            self._calls.get(worker_id, {}).pop(key, None)
+            if key in self._lost:
+                self._lost.discard(key)
+                return True
+            return False
+
+    def lose(self, worker_ids: Sequence[str]) -> int:
+        """Cancels every call in flight to ``worker_ids``; how many."""
+        with self._lock:
+            calls = [(key, cancel) for w in worker_ids for key, cancel in self._calls.pop(w, {}).items()]
+            self._lost.update(key for key, _ in calls)
+        for _, cancel in calls:
+            cancel()
+        return len(calls)
+
+
 class GrpcDispatcher:
     """``decode_stall_s``: a decode stream silent this long is cancelled as STALLED (inf: never)."""
 
     def __init__(self, cluster: Cluster, decode_stall_s: float = math.inf):
         self.cluster = cluster
         self._stalls = StallWatch(decode_stall_s) if math.isfinite(decode_stall_s) else None
+        self._in_flight = InFlight()
+
+    def workers_lost(self, worker_ids: Sequence[str]) -> None:
+        """The registry dropped ``worker_ids`` (their leases ran out): give up their calls."""
+        if worker_ids and (n := self._in_flight.lose(worker_ids)):
+            log.warning("gave up %d calls in flight to %s (stopped heartbeating)", n, ", ".join(worker_ids))
+
+    def _endpoint(self, worker_id: str) -> Endpoint:
+        try:
+            return self.cluster.endpoint(worker_id)
+        except KeyError as e:  # it left the registry after the decision
+            raise DispatchError(FailureKind.UNAVAILABLE, worker_id, "the worker is not alive any more") from e
 
     def reserve(self, decode_worker: str, request_id: str, num_prompt_tokens: int, max_tokens: int,
                 deadline_s: float) -> str:
-        stub = self.cluster.endpoint(decode_worker).decode
+        stub = self._endpoint(decode_worker).decode
         try:
             return stub.Reserve(ipb.ReserveRequest(request_id=request_id, prompt_tokens=num_prompt_tokens,
                                                    max_tokens=max_tokens, deadline_s=deadline_s),
@@ -128,19 +182,23 @@ class GrpcDispatcher:
             block_keys=call.block_keys, decode_transfer_address=call.decode_transfer_address,
             deadline_s=call.deadline_s, reuse=self._reuse_plan(prefill_worker, call))
         bounded = call.timeout_s < call.deadline_s  # the attempt's own bound ends it before the deadline
-        future = self.cluster.endpoint(prefill_worker).prefill.Prefill.future(
+        future = self._endpoint(prefill_worker).prefill.Prefill.future(
             request, timeout=min(call.deadline_s, call.timeout_s))
         on_cancel(future.cancel)
+        tracked = self._in_flight.add(prefill_worker, future.cancel)
         try:
             resp = future.result()
-        except grpc.RpcError as e:
+        except (grpc.RpcError, grpc.FutureCancelledError) as e:
+            if self._in_flight.done(prefill_worker, tracked):
+                raise _lost(prefill_worker, "prefill") from e
+            if isinstance(e, grpc.FutureCancelledError):
+                raise DispatchError(FailureKind.CANCELLED, prefill_worker, "prefill cancelled") from e
             if bounded and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise DispatchError(FailureKind.STALLED, prefill_worker,
                                     f"prefill unanswered after {call.timeout_s:.1f} s (the worker hangs or is "
                                     f"far slower than predicted); cancelled") from e
             raise _error(prefill_worker, e, "prefill") from e
-        except grpc.FutureCancelledError as e:
-            raise DispatchError(FailureKind.CANCELLED, prefill_worker, "prefill cancelled") from e
+        self._in_flight.done(prefill_worker, tracked)
         events = tuple(block_event_from_proto(prefill_worker, e) for e in resp.events)
         return PrefillResult(resp.first_token, resp.cached_tokens, resp.prefill_s, events, resp.loaded_tokens)
 
@@ -149,8 +207,8 @@ class GrpcDispatcher:
         receiver) have exactly the planned blocks from the holder."""
         plan = ipb.ReusePlan(num_blocks=call.num_reuse_blocks, holder_worker_id=call.holder_worker or "", keep=True)
         if call.holder_worker:
-            holder = self.cluster.endpoint(call.holder_worker)
-            puller = self.cluster.endpoint(prefill_worker).info
+            holder = self._endpoint(call.holder_worker)
+            puller = self._endpoint(prefill_worker).info
             plan.holder_rpc_address = holder.info.rpc_address
             plan.grant, plan.grant_expiry_ms = grant(holder.session_key, call.request_id, prefill_worker,
                                                      puller.transfer_address,
@@ -159,12 +217,13 @@ class GrpcDispatcher:
 
     def decode(self, decode_worker: str, request_id: str, first_token: int, sampling: SamplingParams,
                num_prompt_tokens: int, deadline_s: float, on_cancel: CancelHook) -> Iterator[DecodeChunk]:
-        stub = self.cluster.endpoint(decode_worker).decode
+        stub = self._endpoint(decode_worker).decode
         stream = stub.Decode(ipb.DecodeRequest(request_id=request_id, first_token=first_token,
                                                sampling=sampling_to_proto(sampling),
                                                prompt_tokens=num_prompt_tokens), timeout=deadline_s)
         on_cancel(stream.cancel)
         watch = self._stalls.watch(stream.cancel) if self._stalls is not None else None
+        tracked: int | None = self._in_flight.add(decode_worker, stream.cancel)
         try:
             for msg in stream:
                 if watch is not None:
@@ -173,6 +232,9 @@ class GrpcDispatcher:
         except grpc.RpcError as e:
             stalled = watch is not None and self._stalls.done(watch)
             watch = None  # done() stopped watching either way
+            lost, tracked = self._in_flight.done(decode_worker, tracked), None
+            if lost:
+                raise _lost(decode_worker, "decode") from e
             if stalled:
                 raise DispatchError(FailureKind.STALLED, decode_worker,
                                     f"decode stream sent nothing for {self._stalls.limit_s:g} s (the worker hangs); "
@@ -181,6 +243,8 @@ class GrpcDispatcher:
         finally:
             if watch is not None:
                 self._stalls.done(watch)
+            if tracked is not None:
+                self._in_flight.done(decode_worker, tracked)
 
     def release(self, decode_worker: str, request_id: str) -> None:
         try:

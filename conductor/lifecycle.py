@@ -118,21 +118,30 @@ class RequestLife:
 
     def __init__(self, core: ConductorCore, dispatcher: Dispatcher, tokenizer: Tokenizer, req: ValidRequest,
                  request_id: str, seq: int, max_attempts: int, records: RequestRecords | None = None, *,
-                 max_migrations: int = 0, prefill_timeout_s: float = 0.0, client_deadline_s: float | None = None):
+                 max_migrations: int = 0, prefill_timeout_s: float = 0.0, client_deadline_s: float | None = None,
+                 client_request_id: str = "", live_key: bytes = b""):
         self.core, self.dispatcher, self.tokenizer, self.req = core, dispatcher, tokenizer, req
         self.clock = core.clock
-        self.request_id = request_id
+        self.request_id = request_id  # the cluster's id for it (conductor.requests)
+        self.name = f"{req.tenant or '-'}/{client_request_id or request_id}"  # what logs call it
         self.facts = RequestFacts(request_id, seq, req.prompt_ids, req.params.max_new_tokens, req.tenant,
-                                  req.ttft_slo_s, req.tbt_slo_s)
+                                  req.ttft_slo_s, req.tbt_slo_s, live_key=live_key)
         self.max_attempts, self.max_migrations, self.prefill_timeout_s = max_attempts, max_migrations, prefill_timeout_s
         by_client = client_deadline_s is not None and client_deadline_s < req.deadline_s
         self.deadline_s = client_deadline_s if by_client else req.deadline_s
         self._deadline_name = "the client's gRPC deadline" if by_client else "deadline_s"
         self.records = records
         self.metrics: ConductorMetrics = records.metrics if records is not None else ConductorMetrics.disabled()
-        self.out = ClientStream(request_id, req, tokenizer, self.metrics, core.slos, self.clock)
+        self.out = ClientStream(client_request_id or request_id, req, tokenizer, self.metrics, core.slos, self.clock)
         self.t, self.tokens = self.out.t, self.out.tokens  # read here, written by ``out``
         self._base = 0  # tokens sent before the current placement: its prompt is prompt + tokens[:base]
+        self._num_resumed = len(req.resumed)  # sent by a Conductor that failed (GenerateRequest.resume)
+        if req.resumed:  # placed like a migration: prompt + the tokens sent, the rest of max tokens
+            self.out.resume(req.resumed)
+            self._base = self._num_resumed
+            self.facts = dataclasses.replace(self.facts, prompt_ids=req.prompt_ids + req.resumed,
+                                             max_tokens=req.params.max_new_tokens - self._base,
+                                             ttft_slo_s=math.inf, tbt_slo_s=math.inf)
         self._lost: set[str] = set()  # decode workers lost mid-stream, never used again
         self._num_migrations = 0
         self._placements = 0  # placements tried so far (each retry and migration is one)
@@ -171,7 +180,7 @@ class RequestLife:
             self.out.ended = True  # refused before any work: the caller reports it (RequestRecords.count)
             raise
         finally:
-            self.core.pending.finish(self.request_id, self.clock.now())
+            self.core.finished(self.request_id)
             if not self.out.ended:  # the client went away before the terminal message was made
                 self.out.report("cancelled", "client_gone")
 
@@ -205,6 +214,11 @@ class RequestLife:
             first_token = result.first_token
             yield self._more((first_token,), decode_worker=decision.decode_worker)
 
+    @property
+    def _started(self) -> bool:
+        """Whether this Conductor has sent the client a token of this request."""
+        return len(self.tokens) > self._num_resumed
+
     def _finish_of_sent(self) -> int:
         """STOP or LENGTH when the last token sent ends the request (as the decode worker decides), else 0."""
         params = self.req.params
@@ -227,14 +241,14 @@ class RequestLife:
                 # Only while migrating: before any token a rejection is Refused (_route), and
                 # no worker is lost. The core falls back to avoided workers when none is left.
                 assert loss is not None
-                self.core.pending.finish(self.request_id, self.clock.now())
+                self.core.finished(self.request_id)
                 left = routed.reason if isinstance(routed, Rejection) else "no other decode worker to continue on"
                 yield self._terminal(pb.FINISH_REASON_FAILED, f"{why}; {left}", loss.failure)
                 return None
             try:
                 result = self._reserve_and_prefill(facts, params, routed, keys)
             except DispatchError as e:
-                self.core.pending.finish(self.request_id, self.clock.now())
+                self.core.finished(self.request_id)
                 if e.kind is FailureKind.DEADLINE and not self.cancelled:
                     raise self._deadline(self._passed(e), at_routing=False) from e
                 if not should_retry(e.kind, attempt, self.max_attempts, self.cancelled):
@@ -244,7 +258,7 @@ class RequestLife:
                 # Nothing of this placement reached the client and no partial cache is kept:
                 # route again, away from the workers that failed, and recompute.
                 THROTTLED.log(logging.WARNING, "retry", "request %s: %s; retrying elsewhere (attempt %d of %d)",
-                              self.request_id, e, attempt + 1, self.max_attempts)
+                              self.name, e, attempt + 1, self.max_attempts)
                 self.metrics.retried(e.kind.value)
                 # Blame the worker the call failed on; a failed KV push, either end.
                 blamed = ((routed.prefill_worker, routed.decode_worker) if e.kind is FailureKind.TRANSFER
@@ -266,13 +280,13 @@ class RequestLife:
         outcome = routed.outcome
         self.metrics.routed(outcome.branch.value if isinstance(outcome, RouteDecision) else "rejected")
         if isinstance(outcome, Rejection):
-            if self.tokens:
+            if self._started:
                 return outcome, routed.keys
             # No workers of a role is a service that is not up yet, not an overload.
             unavailable = outcome.kind is RejectKind.NO_WORKERS
             code = grpc.StatusCode.UNAVAILABLE if unavailable else grpc.StatusCode.RESOURCE_EXHAUSTED
             raise Refused(code, outcome.reason, outcome.retry_after_s, outcome.kind.value)
-        if not self.tokens:
+        if not self._started:
             self.out.predicted = outcome.predicted
             if routed.snapshot is not None:
                 source = routed.snapshot.find(outcome.reuse.holder or outcome.prefill_worker)
@@ -280,7 +294,7 @@ class RequestLife:
                 self.out.cached_tier = tier.name.lower() if tier is not None else "unknown"
         left_s = self._left_s()
         if outcome.predicted.ttft_s > left_s:
-            self.core.pending.finish(self.request_id, self.clock.now())
+            self.core.finished(self.request_id)
             raise self._deadline(f"the predicted time to first token ({outcome.predicted.ttft_s:.2f} s on "
                                  f"{outcome.prefill_worker}) exceeds the {max(0.0, left_s):.2f} s left of "
                                  f"{self._deadline_name} ({self.deadline_s:g} s)", at_routing=True)
@@ -294,7 +308,7 @@ class RequestLife:
         try:
             address = self.dispatcher.reserve(d, rid, facts.prompt_len, facts.max_tokens, self._call_timeout_s())
         except DispatchError as e:
-            if e.kind is FailureKind.BUSY and not self.cancelled and not self.tokens:
+            if e.kind is FailureKind.BUSY and not self.cancelled and not self._started:
                 raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), 1.0, "decode_full") from e
             raise
         released = threading.Event()
@@ -308,7 +322,7 @@ class RequestLife:
         timeout_s = prefill_timeout_s(self.prefill_timeout_s, decision.predicted.ttft_s)
         call = PrefillCall(rid, facts.prompt_ids, keys, decision.reuse.num_blocks,
                            decision.reuse.holder, address, self._call_timeout_s(), timeout_s)
-        if not self.tokens:
+        if not self._started:
             self.t.prefill_start = self.clock.now()
         try:
             return self.dispatcher.prefill(decision.prefill_worker, call, params, self._on_cancel)
@@ -319,19 +333,17 @@ class RequestLife:
     def _prefilled(self, decision: RouteDecision, result: PrefillResult) -> None:
         """What every placement's first token tells the core: the prefill is done, its blocks
         are stored, and how fast the worker was against the prediction."""
-        now = self.clock.now()
-        self.core.pending.prefill_done(self.request_id, now)
-        self.core.cluster.apply_events(result.events)
-        self.core.speed.observe(decision.prefill_worker, decision.predicted.model_prefill_s, result.prefill_s)
+        self.core.prefilled(self.request_id, decision.prefill_worker, decision.predicted.model_prefill_s,
+                            result.prefill_s, result.events)
         if self.records is not None:
-            self.records.prediction(decision.predicted.ttft_s, now - self.t.routed)
+            self.records.prediction(decision.predicted.ttft_s, self.clock.now() - self.t.routed)
 
     # ---- decoding and migrating --------------------------------------------------------------
     def _forward(self, decision: RouteDecision, first: int) -> Generator[pb.GenerateResponse, None, _Loss | None]:
         """Forward the decode worker's tokens; None once a terminal message was yielded, else
         what ended the stream before its finish."""
         d = decision.decode_worker
-        self.core.pending.decode_started(self.request_id, self.clock.now())
+        self.core.decoding(self.request_id)
         num_prompt = len(self.req.prompt_ids) + self._base
         chunks = self.dispatcher.decode(d, self._worker_rid, first, self._params(), num_prompt, self._call_timeout_s(),
                                         self._on_cancel)
@@ -358,7 +370,7 @@ class RequestLife:
         """Place the request again as prompt + the tokens sent, on another decode worker;
         (decision, result), or None after a terminal message (FAILED with the reason)."""
         self._lost.add(loss.worker)
-        self.core.pending.finish(self.request_id, self.clock.now())
+        self.core.finished(self.request_id)
         if not should_migrate(loss.kind, self._num_migrations, self.max_migrations, self.cancelled):
             reason = pb.FINISH_REASON_CANCELLED if self.cancelled else pb.FINISH_REASON_FAILED
             more = f"; no migrations left ({self.max_migrations} allowed)" if self.max_migrations else ""
@@ -375,7 +387,7 @@ class RequestLife:
         if placed is not None:
             self.metrics.migrated(loss.failure)
             THROTTLED.log(logging.WARNING, "migration",
-                          "request %s: %s; continuing on decode worker %s (migration %d of %d)", self.request_id,
+                          "request %s: %s; continuing on decode worker %s (migration %d of %d)", self.name,
                           loss, placed[0].decode_worker, self._num_migrations, self.max_migrations)
         return placed
 
@@ -390,8 +402,8 @@ class RequestLife:
 
     def _deadline(self, message: str, at_routing: bool) -> Aborted:
         """DEADLINE_EXCEEDED: ``Refused`` at routing before any token, else ``Aborted`` (reported here)."""
-        message = f"request {self.request_id}: {message}"
-        if at_routing and not self.tokens:
+        message = f"request {self.name}: {message}"
+        if at_routing and not self._started:
             return Refused(grpc.StatusCode.DEADLINE_EXCEEDED, message, 0.0, "deadline")
         THROTTLED.log(logging.WARNING, "deadline", "%s after %d tokens", message, len(self.tokens))
         self.out.report("failed", "deadline")
@@ -399,12 +411,12 @@ class RequestLife:
 
     def _more(self, token_ids: tuple[int, ...], decode_worker: str = "") -> pb.GenerateResponse:
         msg = self.out.more(token_ids, decode_worker)
-        self.core.pending.generated(self.request_id, len(self.tokens) - self._base)
+        self.core.generated(self.request_id, len(self.tokens) - self._base)
         return msg
 
     def _terminal(self, reason: int, error: str = "", failure: str = "") -> pb.GenerateResponse:
         if error:
             THROTTLED.log(logging.WARNING, f"ended:{reason}", "request %s ended %s after %d tokens: %s",
-                          self.request_id, pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_"),
+                          self.name, pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_"),
                           len(self.tokens), error)
         return self.out.terminal(reason, error, failure)

@@ -43,6 +43,7 @@ OUTCOMES = ("stop", "length", "cancelled", "failed", "rejected", "invalid")
 REASONS = frozenset({
     "none", "other", "client_gone", "invalid_argument", "queue_full", "unspecified",
     "no_workers", "decode_full", "ttft_slo", "tbt_slo",  # routing.RejectKind and the decode reservation
+    "duplicate_id",  # a request id already in flight for the tenant
     "unavailable", "busy", "transfer", "deadline", "cancelled", "refused", "internal", "stalled",  # FailureKind
     "decode_worker", "decode_stream",  # the decode worker failed the request / its stream ended early
 })
@@ -56,6 +57,8 @@ class AdmissionView(Protocol):
 
 
 class WorkerSource(Protocol):
+    lag_s: float  # how far the cluster state is behind its log
+
     def alive(self) -> list[tuple[Any, Any]]: ...  # (ipb.WorkerInfo, ipb.WorkerLoad) per alive worker
 
 
@@ -252,4 +255,7 @@ class ConductorMetrics:
                 per_worker[name].add_metric(labels, value)
         for role, n in counts.items():
             alive.add_metric([self.model, role], n)
-        return [running, waiting, alive, *per_worker.values()]
+        lag = g("index_event_lag_seconds", "How far this Conductor's cluster state is behind the log the "
+                "replicas share (0: caught up, or a Conductor without replicas)", ["model"])
+        lag.add_metric([self.model], min(cluster.lag_s, 1e9))
+        return [running, waiting, alive, lag, *per_worker.values()]

@@ -21,8 +21,8 @@ from collections import defaultdict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from clusterstate.workers import PrefillJobLoad
 from conductor.routing import DecodeJob, RouteDecision, RouteRequest, decode_need_pages
-from kvstore.index import PrefillJobLoad
 
 # Groups frozen from another group's records (thawed with it).
 _DERIVED = {"on_decode": "decode_jobs", "in_prefill": "prefill_jobs"}
@@ -128,13 +128,18 @@ class PendingWork:
             self._put("in_prefill", record.prefill_worker, record)
 
     # ---- changes ------------------------------------------------------------------------------
-    def route(self, request: RouteRequest, decision: RouteDecision, now_s: float) -> None:
+    def route(self, request: RouteRequest, decision: RouteDecision, now_s: float) -> PendingRequest:
         """Record a routed request (its reuse plan fixes the new and reused token counts)."""
         reused = decision.reuse.num_blocks * request.block_size
         record = PendingRequest(
             request.request_id, decision.prefill_worker, decision.decode_worker,
             request.num_prompt_tokens - reused, reused, request.num_prompt_tokens, request.max_tokens,
             decode_need_pages(request), now_s, now_s + decision.predicted.ttft_s)
+        self.add(record)
+        return record
+
+    def add(self, record: PendingRequest) -> None:
+        """Record a request routed as ``record`` says (another replica's, or this one's)."""
         with self._lock:
             self._set(record)
 
@@ -158,8 +163,9 @@ class PendingWork:
             if record is not None:
                 self._set(_with(record, num_generated=num_tokens))
 
-    def finish(self, request_id: str, now_s: float) -> None:
-        """The request ended (any way) or is routed again: its work leaves both workers."""
+    def finish(self, request_id: str, now_s: float) -> bool:
+        """The request ended (any way) or is routed again: its work leaves both workers.
+        True when it was in the overlay."""
         with self._lock:
             record = self._live.pop(request_id, None)
             if record is not None:
@@ -175,6 +181,7 @@ class PendingWork:
                 self._mark_left(old.prefill_worker, old.request_id, -1)
                 if self._groups["ended_on_decode"][old.decode_worker].get(old.request_id) is old:
                     self._drop("ended_on_decode", old.decode_worker, old.request_id)
+            return record is not None
 
     # ---- reading --------------------------------------------------------------------------------
     def _frozen_group(self, group: str, worker: str):

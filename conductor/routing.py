@@ -38,9 +38,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from clusterstate.workers import PrefillJobLoad, WorkerRole
 from conductor.config import RoutingConfig
 from kvstore.blocks import Tier
-from kvstore.index import PrefillJobLoad, WorkerRole
 
 if TYPE_CHECKING:
     from costmodel import CostModels

@@ -7,8 +7,9 @@ text that is not UTF-8 is INVALID_ARGUMENT, a message over ``--max-request-bytes
 refused by gRPC unread) -> validate (INVALID_ARGUMENT naming the field) -> admission (RESOURCE_EXHAUSTED at
 once when the queue is full; a queued request waits for a running slot until its deadline or
 ``max_queue_wait_s``, whichever is sooner) -> ``RequestLife.run`` (route, reserve, prefill,
-decode through the gRPC dispatcher). The index is in memory by default or in Redis with
-``--index redis://...`` (falling back to local knowledge while Redis is unreachable). The
+decode through the gRPC dispatcher). The cluster state (registry and block index) is this
+Conductor's own by default, or followed from the log that replicas share in a store with
+``--index redis://...`` (``conductor.shared_state``); routing reads only the local copy. The
 cost models come from ``--calibration FILE``: a corrupt file, or one made for another model
 than the workers serve, is an error naming it, never a silent default. The Registry serves
 cluster members only (``runtime.auth``: Register and Workers need the cluster secret, a
@@ -22,12 +23,12 @@ import itertools
 import logging
 import math
 import threading
-import uuid
 
 import grpc
 from google.protobuf.message import DecodeError
 
 import engine
+from clusterstate.log import entry
 from conductor.admission import Admission
 from conductor.apikeys import ApiKey, ApiKeys
 from conductor.clock import Clock, SystemClock
@@ -38,16 +39,16 @@ from conductor.grpc_dispatch import GrpcDispatcher
 from conductor.lifecycle import Aborted, Refused, RequestLife
 from conductor.metrics import ConductorMetrics
 from conductor.records import RequestRecords
+from conductor.requests import LiveRequests
 from conductor.routing import PolicyContext, make_policy
+from conductor.shared_state import SharedState, open_state
 from conductor.validation import validate
 from costmodel import CalibrationError, CostModels
 from costmodel.builtin import tiny_cpu_estimate
-from kvstore.index import GlobalIndex
-from kvstore.index_memory import MemoryIndex
 from proto import inference_pb2 as pb
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
-from runtime.auth import CONDUCTOR, AuthError, Member, Need, current_principal, refuse, worker_principal
+from runtime.auth import CONDUCTOR, AuthError, Member, Need, current_principal, derive, refuse, worker_principal
 from runtime.grpc_server import follow_readiness, start_server
 from runtime.logs import Throttled
 from runtime.metrics import start_metrics
@@ -106,10 +107,11 @@ class InferenceService:
     """``api_keys`` None: no authentication, the request's tenant is trusted (--insecure-no-auth)."""
 
     def __init__(self, config: ConductorConfig, core: ConductorCore, dispatcher: GrpcDispatcher,
-                 admission: Admission, records: RequestRecords, api_keys: ApiKeys | None):
+                 admission: Admission, records: RequestRecords, api_keys: ApiKeys | None, live: LiveRequests):
         self.config, self.core, self.dispatcher, self.admission, self.records = (
             config, core, dispatcher, admission, records)
         self.api_keys = api_keys
+        self.live = live
         self.cfg = engine.load_config(config.model)
         self.tokenizer = engine.load_tokenizer(config.model)
         self.limits = config.limits
@@ -169,10 +171,17 @@ class InferenceService:
             context.set_trailing_metadata((("retry-after-s", "1"), ("reject-reason", reason)))
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.RESOURCE_EXHAUSTED,
                           refusal + (" before the request's deadline" if late else ""))
-        life = RequestLife(self.core, self.dispatcher, self.tokenizer, valid, request.request_id or uuid.uuid4().hex,
-                           next(self._seq), self.config.max_prefill_attempts, self.records,
+        claim = self.live.claim(valid.tenant, request.request_id, resuming=bool(valid.resumed))
+        if claim is None:
+            self.records.count("rejected", reason="duplicate_id", tenant=valid.tenant)
+            self.admission.leave()
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already in flight "
+                                                          f"for this tenant; give each request its own id")
+        life = RequestLife(self.core, self.dispatcher, self.tokenizer, valid, claim.request_id, next(self._seq),
+                           self.config.max_prefill_attempts, self.records,
                            max_migrations=self.config.max_decode_migrations,
-                           prefill_timeout_s=self.config.prefill_timeout_s, client_deadline_s=context.time_remaining())
+                           prefill_timeout_s=self.config.prefill_timeout_s, client_deadline_s=context.time_remaining(),
+                           client_request_id=claim.client_request_id, live_key=claim.live_key)
         context.add_callback(life.cancel)
         try:
             for msg in life.run():
@@ -190,6 +199,7 @@ class InferenceService:
         finally:
             if life.cancelled:
                 self.records.count("client_cancelled")
+            self.live.release(claim)
             self.admission.leave()
 
 
@@ -211,7 +221,7 @@ class RegistryService(igrpc.RegistryServicer):
             refuse(context, AuthError(grpc.StatusCode.PERMISSION_DENIED,
                                       f"{principal} may not heartbeat for {request.worker_id}"), "Heartbeat")
         try:
-            known = self.cluster.heartbeat(request.worker_id, request.load, list(request.events))
+            known = self.cluster.heartbeat(request.worker_id, request.load, list(request.events), request.seq)
         except ValueError as e:  # a malformed load or event from the worker
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return ipb.HeartbeatResponse(known=known)
@@ -224,20 +234,18 @@ class RegistryService(igrpc.RegistryServicer):
         return resp
 
 
-def make_index(url: str, ttl_s: float) -> GlobalIndex:
-    if url in ("", "memory"):
-        return MemoryIndex(ttl_s=ttl_s)
-    if url.startswith("redis://"):
-        from kvstore.index_fallback import FallbackIndex
-        from kvstore.index_redis import RedisIndex, RedisIndexConfig
-
-        return FallbackIndex(RedisIndex(url, config=RedisIndexConfig(ttl_s=ttl_s)), MemoryIndex(ttl_s=ttl_s))
-    raise ValueError(f"--index must be 'memory' or redis://HOST:PORT[/DB], got {url!r}")
-
-
-def build_core(config: ConductorConfig, cluster: Cluster, costs: CostModels, clock: Clock) -> ConductorCore:
+def build_core(config: ConductorConfig, cluster: Cluster, costs: CostModels, clock: Clock,
+               shared: SharedState | None = None) -> ConductorCore:
+    """The core over ``cluster``; with a shared state, its transitions go to the other replicas."""
     policy = make_policy(config.policy, PolicyContext(config.routing, costs))
-    return ConductorCore(cluster, policy, config.slos, clock)
+    share = None
+    if shared is not None and shared.shared:
+        log_, origin = shared.log, shared.log.replica_id
+        share = lambda change: log_.share(entry(origin, pending=change))  # noqa: E731
+    core = ConductorCore(cluster, policy, config.slos, clock, share=share)
+    if shared is not None:
+        shared.applier.on_overlay = core.apply_overlay
+    return core
 
 
 class Conductor(ServiceBase):
@@ -257,16 +265,20 @@ class Conductor(ServiceBase):
     def _start(self) -> None:
         config = self.config
         costs = load_costs(config)
-        index = make_index(config.index, config.worker_ttl_s)
-        self._closing.callback(index.close)
         member = Member.from_config(config.cluster_secret_file, CONDUCTOR, config.tls)
         api_keys = public_auth(config)
-        self.cluster = cluster = Cluster(index, member, check=calibration_check(config, costs))
-        core = build_core(config, cluster, costs, self._clock)
+        self.shared = shared = open_state(config, member.secret)
+        self.cluster = cluster = Cluster(shared.state, shared.log, member, shared.keys,
+                                         check=calibration_check(config, costs))
+        core = build_core(config, cluster, costs, self._clock, shared)
+        shared.log.start()
+        self._closing.callback(shared.log.close)
         metrics = ConductorMetrics.for_config(config)
         admission = Admission(config.admission)
         dispatcher = GrpcDispatcher(cluster, config.decode_stall_timeout_s or math.inf)
-        inference = InferenceService(config, core, dispatcher, admission, RequestRecords(metrics=metrics), api_keys)
+        live = LiveRequests(derive(member.secret, "request-ids"), shared.log.replica_id, core.replicas)
+        inference = InferenceService(config, core, dispatcher, admission, RequestRecords(metrics=metrics), api_keys,
+                                     live)
         metrics.watch(cluster, admission)
         registry = RegistryService(cluster, config.heartbeat_interval_s)
         self._running = start_server(
@@ -282,9 +294,15 @@ class Conductor(ServiceBase):
         stop = threading.Event()
 
         def reap() -> None:
-            while not stop.wait(config.worker_ttl_s):
-                for worker_id in index.reap_expired():
+            # A quarter of the lease: a worker that went silent (dead, or stopped) is out of the
+            # registry, and its in-flight calls are given up, within 1.25 leases.
+            while not stop.wait(config.worker_ttl_s / 4):
+                expired = cluster.reap_expired()
+                for worker_id in expired:
                     log.warning("worker %s stopped heartbeating; dropped with its blocks", worker_id)
+                dispatcher.workers_lost(expired)
+                for replica in core.replicas.sweep(self._clock.now()):
+                    log.warning("Conductor replica %s went silent; its requests leave the overlay", replica)
 
         reaper = threading.Thread(target=reap, name="reaper", daemon=True)
         reaper.start()
@@ -293,8 +311,9 @@ class Conductor(ServiceBase):
         self._closing.callback(stop.set)
 
     def ready(self) -> bool:
-        """Serving, not draining, and at least one live worker of each role."""
-        if self._running is None or self._draining or self.cluster is None:
+        """Serving, not draining, caught up with the cluster's log, and at least one live
+        worker of each role."""
+        if self._running is None or self._draining or self.cluster is None or not self.cluster.log.ready:
             return False
         roles = {info.role for info, _ in self.cluster.alive()}
         return {ipb.WORKER_ROLE_PREFILL, ipb.WORKER_ROLE_DECODE} <= roles

@@ -21,10 +21,11 @@ import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from clusterstate.workers import PrefillJobLoad, WorkerInfo, WorkerLoad, WorkerRole
 from conductor.dispatch import request_of
 from conductor.pending import PendingView
 from conductor.routing import ClusterSnapshot, WorkerView
-from kvstore.index import MatchSnapshot, PrefillJobLoad, WorkerLoad, WorkerRole
+from kvstore.index import MatchSnapshot
 
 _VIEW_DEFAULTS = {f.name: f.default for f in dataclasses.fields(WorkerView) if f.default is not dataclasses.MISSING}
 
@@ -45,12 +46,25 @@ def _view(**fields: object) -> WorkerView:
 class RegistryEntry:
     """One alive worker in the registry, with its latest load and how old that load is."""
 
-    worker_id: str
-    role: WorkerRole
-    rpc_address: str
-    transfer_address: str
+    info: WorkerInfo
     load: WorkerLoad
     load_age_s: float = 0.0
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def role(self) -> WorkerRole:
+        return self.info.role
+
+    @property
+    def rpc_address(self) -> str:
+        return self.info.rpc_address
+
+    @property
+    def transfer_address(self) -> str:
+        return self.info.transfer_address
 
 
 def _prefill_jobs(entry: RegistryEntry, pending: PendingView) -> tuple[PrefillJobLoad, ...]:

@@ -34,6 +34,7 @@ class ValidRequest:
     tenant: str
     ttft_slo_s: float = 0.0  # 0: the tenant's or the cluster's
     tbt_slo_s: float = 0.0
+    resumed: tuple[int, ...] = ()  # tokens sent before a failover (GenerateRequest.resume)
 
 
 def validate(req: pb.GenerateRequest, cfg: ModelConfig, tokenizer: Tokenizer, limits: Limits) -> ValidRequest:
@@ -60,8 +61,15 @@ def validate(req: pb.GenerateRequest, cfg: ModelConfig, tokenizer: Tokenizer, li
     if not 0 <= req.deadline_s <= limits.max_deadline_s or not math.isfinite(req.deadline_s):
         raise ValueError(f"deadline_s must be in [0, {limits.max_deadline_s}], got {req.deadline_s}")
     _check_slos(req, limits)
+    resumed = tuple(req.resume.ids)
+    if len(resumed) >= s.max_tokens:
+        raise ValueError(f"resume: {len(resumed)} tokens were sent already, so nothing is left of "
+                         f"sampling.max_tokens {s.max_tokens}")
+    bad = next((t for t in resumed if t >= cfg.vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"resume: id {bad} outside the vocabulary [0, {cfg.vocab_size})")
     return ValidRequest(tuple(ids), params, req.deadline_s or limits.default_deadline_s, req.tenant,
-                        req.ttft_slo_s, req.tbt_slo_s)
+                        req.ttft_slo_s, req.tbt_slo_s, resumed)
 
 
 def _prompt_ids(req: pb.GenerateRequest, cfg: ModelConfig, tokenizer: Tokenizer,

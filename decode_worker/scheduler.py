@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from clusterstate.workers import WorkerLoad
 from decode_worker.metrics import DecodeMetrics
 from engine import CacheManager, HybridModel, SamplingParams, SequenceCache, sample
-from kvstore.index import WorkerLoad
 
 log = logging.getLogger(__name__)
 

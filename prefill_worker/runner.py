@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from clusterstate.workers import PrefillJobLoad, WorkerLoad
 from engine import CacheManager, HybridModel, SamplingParams, SequenceCache, sample
 from kvstore.device import Snapshot
 from kvstore.hitrule import SnapshotPolicy, usable_length
-from kvstore.index import PrefillJobLoad, WorkerLoad
 from kvstore.payload import BlockPayload, PayloadError, decode
 from kvstore.store import TieredStore
 from kvstore.transfer.base import TransferError

@@ -1,14 +1,15 @@
 """Conversions between wire messages and in-process values used on both sides of an RPC.
 
 Each wire value has one in-process twin and one conversion each way, here: sampling
-parameters, block events and worker loads. Nothing else converts them.
+parameters, block events, workers' registrations and loads. Nothing else converts them.
 """
 
 from __future__ import annotations
 
+from clusterstate.workers import PrefillJobLoad, WorkerInfo, WorkerLoad, WorkerRole
 from engine.sampler import SamplingParams
 from kvstore.blocks import Tier
-from kvstore.index import BlockEvent, PrefillJobLoad, WorkerLoad
+from kvstore.index import BlockEvent
 from proto import inference_pb2 as pb
 from proto import internal_pb2 as ipb
 
@@ -35,6 +36,28 @@ def block_event_from_proto(worker_id: str, e: ipb.BlockEvent) -> BlockEvent:
     if e.kind == ipb.BLOCK_EVENT_KIND_STORED:
         return BlockEvent.stored(worker_id, e.key, Tier(e.tier), e.has_snapshot)
     raise ValueError(f"block event from {worker_id}: kind {e.kind} is neither STORED nor REMOVED")
+
+
+ROLES = {ipb.WORKER_ROLE_PREFILL: WorkerRole.PREFILL, ipb.WORKER_ROLE_DECODE: WorkerRole.DECODE}
+ROLE_CODES = {role: code for code, role in ROLES.items()}
+
+
+def worker_from_proto(info: ipb.WorkerInfo) -> WorkerInfo:
+    """``ValueError`` naming the field for a role that is neither prefill nor decode, a bad id
+    or a negative size (a peer's broken contract)."""
+    if info.role not in ROLES:
+        raise ValueError(f"worker {info.worker_id}: role must be prefill or decode, got {info.role}")
+    return WorkerInfo(info.worker_id, ROLES[info.role], info.rpc_address, info.num_pages_total,
+                      info.dram_capacity_bytes, info.ssd_capacity_bytes, info.transfer_address,
+                      info.metrics_address, info.model_fingerprint, info.block_size, info.instance_id)
+
+
+def worker_to_proto(info: WorkerInfo) -> ipb.WorkerInfo:
+    return ipb.WorkerInfo(worker_id=info.worker_id, role=ROLE_CODES[info.role], rpc_address=info.rpc_address,
+                          transfer_address=info.transfer_address, model_fingerprint=info.model_fingerprint,
+                          block_size=info.block_size, num_pages_total=info.num_pages_total,
+                          dram_capacity_bytes=info.dram_capacity_bytes, ssd_capacity_bytes=info.ssd_capacity_bytes,
+                          metrics_address=info.metrics_address, instance_id=info.instance_id)
 
 
 def load_to_proto(load: WorkerLoad) -> ipb.WorkerLoad:

@@ -20,9 +20,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+from clusterstate.workers import WorkerLoad
 from engine.model import HybridModel
 from engine.warmup import warm_up
-from kvstore.index import WorkerLoad
 from proto import internal_pb2 as ipb
 from runtime.auth import WorkerCredential
 from runtime.grpc_server import RunningServer, follow_readiness

@@ -15,7 +15,8 @@ TRANSFER_BACKENDS = ("tcp", "shm", "ucx")
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    conductor: str = field(default="", metadata={"help": "host:port of the Conductor (required)"})
+    conductor: str = field(default="", metadata={"help": "host:port of the Conductor, or of its replicas "
+                                                         "comma-separated (required)"})
     model: str = field(default="tiny", metadata={"help": "'tiny' or a checkpoint directory"})
     host: str = field(default="127.0.0.1", metadata={"help": "address the gRPC and transfer servers bind"})
     advertise_host: str = field(default="", metadata={"help": "address registered with the Conductor "

@@ -2,10 +2,17 @@
 
 Register is signed with the cluster secret and carries the instance id; heartbeats are
 signed with the session key that id makes (``runtime.auth``), so only this process can
-speak for its worker id. Runs one daemon thread per worker. Block events waiting in the worker (``drain_events``) go
-out with the next heartbeat; when the Conductor answers that it does not
-know the worker (it restarted, or the worker expired), the link registers again and
-republishes every block the worker still holds (``all_blocks``).
+speak for its worker id. Runs one daemon thread per worker. Block events waiting in the
+worker (``drain_events``) go out with the next heartbeat, numbered (``seq``, from 1 per
+instance) so that a replayed or repeated heartbeat changes nothing.
+
+The link talks to one Conductor at a time out of the addresses it is given (``host:port``,
+comma-separated: the replicas of one cluster, which share its state). A worker registers
+once and heartbeats once, with whichever replica answers: when that one is unreachable the
+link moves to the next address and goes on heartbeating there (the replicas know the worker
+from the cluster's log). When a Conductor answers that it does not know the worker (its
+state lost it, or the worker expired), the link registers again and republishes every block
+the worker still holds (``all_blocks``).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from collections.abc import Callable
 
 import grpc
 
-from kvstore.index import WorkerLoad
+from clusterstate.workers import WorkerLoad
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
 from proto.convert import load_to_proto
@@ -37,9 +44,15 @@ class WorkerLink:
         self._all_blocks = all_blocks
         self._drain_events = drain_events
         self._interval_s = interval_s
-        member = credential.member
-        self._register_stub = igrpc.RegistryStub(member.channel(conductor_address))
-        self._stub = igrpc.RegistryStub(member.channel(conductor_address, credential.session_key))
+        self._credential = credential
+        self._addresses = [a.strip() for a in conductor_address.split(",") if a.strip()]
+        if not self._addresses:
+            raise ValueError("--conductor needs at least one host:port")
+        self._current = -1
+        self._channels: list[grpc.Channel] = []
+        self._misses = 0  # calls failed in a row, across addresses
+        self._connect_next()
+        self._seq = 0
         self._pending: list[ipb.BlockEvent] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -54,9 +67,26 @@ class WorkerLink:
         """True once the Conductor accepted this worker; False again while it must re-register."""
         return self._registered
 
+    @property
+    def conductor(self) -> str:
+        """The Conductor address the link talks to now."""
+        return self._addresses[self._current]
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        for ch in self._channels:
+            ch.close()
+
+    def _connect_next(self) -> None:
+        """Talk to the next Conductor address (the first one at start)."""
+        for ch in self._channels:
+            ch.close()
+        self._current = (self._current + 1) % len(self._addresses)
+        address, member = self._addresses[self._current], self._credential.member
+        self._channels = [member.channel(address), member.channel(address, self._credential.session_key)]
+        self._register_stub = igrpc.RegistryStub(self._channels[0])
+        self._stub = igrpc.RegistryStub(self._channels[1])
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -65,13 +95,19 @@ class WorkerLink:
                     self._register()
                 if self._registered:
                     self._heartbeat()
+                self._misses = 0
             except grpc.RpcError as e:
                 if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     log.error("the conductor refused this worker's credential (%s: %s); is "
                               "--cluster-secret-file the cluster's?", e.code().name, e.details())
-                else:
-                    log.warning("conductor unreachable (%s); retrying", e.code())
-                self._registered = False
+                    self._registered = False
+                else:  # the next replica, if there is one, knows this worker from the cluster's log
+                    log.warning("conductor %s unreachable (%s); trying %s", self.conductor, e.code().name,
+                                self._addresses[(self._current + 1) % len(self._addresses)])
+                    self._connect_next()
+                    self._misses += 1
+                    if self._misses < len(self._addresses):  # another replica may answer at once
+                        continue
             self._stop.wait(self._interval_s)
 
     def _register(self) -> None:
@@ -89,9 +125,10 @@ class WorkerLink:
         with self._lock:  # a republish of many blocks goes out over several heartbeats
             events = self._pending + self._drain_events()
             events, self._pending = events[:MAX_EVENTS_PER_HEARTBEAT], events[MAX_EVENTS_PER_HEARTBEAT:]
+        self._seq += 1
         try:
             request = ipb.HeartbeatRequest(worker_id=self.info.worker_id, load=load_to_proto(self._load()),
-                                           events=events)
+                                           events=events, seq=self._seq)
             resp = self._stub.Heartbeat(request, timeout=5)
         except grpc.RpcError as e:
             with self._lock:

@@ -4,7 +4,7 @@ own code.
 What is real here and what is modelled:
 
 - real: the Conductor core (``conductor.core``: snapshot builder, pending overlay, prefix
-  heat, SLO resolution), every registered policy, the ``MemoryIndex`` with the hybrid hit
+  heat, SLO resolution), every registered policy, the ``ClusterState`` with the hybrid hit
   rule, the ``SnapshotPolicy``, each prefill worker's ``Placement`` with the real eviction
   policies over DRAM and SSD capacities in bytes (``kvstore.sized``), the reuse cap;
 - modelled, by the calibrated ``CostModels``: how long a prefill takes (queued one at a time

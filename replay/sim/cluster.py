@@ -4,17 +4,18 @@ Implements ``conductor.core.ClusterView`` over the modelled workers. Every
 ``heartbeat_interval_s`` each worker's load is copied here, stamped with the simulated wall
 clock, as a live worker's heartbeat would arrive; between heartbeats the core relies on its
 pending overlay, exactly as the live Conductor does. Block holdings go straight to the
-``MemoryIndex`` (the live Prefill response carries them the same way).
+``ClusterState`` (the live Prefill response carries them the same way).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from clusterstate.state import ClusterState
+from clusterstate.workers import WorkerInfo, WorkerLoad, WorkerRole
 from conductor.snapshot import RegistryEntry
 from kvstore.blocks import BlockKey
-from kvstore.index import BlockEvent, MatchSnapshot, WorkerInfo, WorkerLoad, WorkerRole
-from kvstore.index_memory import MemoryIndex
+from kvstore.index import BlockEvent, MatchSnapshot
 from replay.sim.decode import SimDecode
 from replay.sim.events import EventLoop
 from replay.sim.prefill import SimPrefill
@@ -27,7 +28,8 @@ class SimCluster:
 
     def __init__(self, loop: EventLoop, block_size: int, heartbeat_interval_s: float):
         self.loop, self.block_size, self.heartbeat_interval_s = loop, block_size, heartbeat_interval_s
-        self.index = MemoryIndex(ttl_s=1e18, clock=loop.clock.now)
+        self.index = ClusterState(ttl_s=1e18, clock=loop.clock.now)
+        self._infos: dict[str, WorkerInfo] = {}
         self.prefill: dict[str, SimPrefill] = {}
         self.decode: dict[str, SimDecode] = {}
         self._loads: dict[str, WorkerLoad] = {}
@@ -37,8 +39,11 @@ class SimCluster:
         is_prefill = isinstance(worker, SimPrefill)
         (self.prefill if is_prefill else self.decode)[worker.worker_id] = worker  # type: ignore[index]
         role = WorkerRole.PREFILL if is_prefill else WorkerRole.DECODE
-        self.index.register(WorkerInfo(worker.worker_id, role, f"sim://{worker.worker_id}",
-                                       worker.config.num_pages, 0, 0))
+        address = f"{worker.backend}://{worker.worker_id}" if is_prefill else f"tcp://{worker.worker_id}"
+        info = WorkerInfo(worker.worker_id, role, f"sim://{worker.worker_id}", worker.config.num_pages,
+                          transfer_address=address)
+        self._infos[worker.worker_id] = info
+        self.index.register(info)
         self._loads[worker.worker_id] = worker.load()
 
     def start_heartbeats(self) -> None:
@@ -73,12 +78,10 @@ class SimCluster:
     # ---- ClusterView ----------------------------------------------------------------------------
     def registry_view(self, wall_now_s: float) -> tuple[RegistryEntry, ...]:
         out = []
-        for role, workers in ((WorkerRole.PREFILL, self.prefill), (WorkerRole.DECODE, self.decode)):
+        for workers in (self.prefill, self.decode):
             for wid in sorted(workers):
                 load = self._loads[wid]
-                out.append(RegistryEntry(wid, role, f"sim://{wid}", f"{workers[wid].backend}://{wid}"
-                                         if role is WorkerRole.PREFILL else f"tcp://{wid}", load,
-                                         max(0.0, wall_now_s - load.timestamp_s)))
+                out.append(RegistryEntry(self._infos[wid], load, max(0.0, wall_now_s - load.timestamp_s)))
         return tuple(out)
 
     def match(self, keys: Sequence[BlockKey]) -> MatchSnapshot | None:

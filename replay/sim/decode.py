@@ -35,10 +35,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from clusterstate.workers import WorkerLoad
 from costmodel import CostModels
 from costmodel.overheads import NO_OVERHEADS, ClusterOverheads
 from decode_worker.config import DecodeConfig
-from kvstore.index import WorkerLoad
 from replay.sim.events import EventLoop
 
 

@@ -21,11 +21,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from clusterstate.state import ClusterState
+from clusterstate.workers import PrefillJobLoad, WorkerLoad
 from costmodel import CostModels
 from costmodel.overheads import NO_OVERHEADS, ClusterOverheads
 from kvstore.blocks import BlockKey, Tier
 from kvstore.hitrule import SnapshotPolicy, usable_length
-from kvstore.index import BlockEvent, GlobalIndex, PrefillJobLoad, WorkerLoad
+from kvstore.index import BlockEvent
 from kvstore.placement import Placement, StoreEvent
 from kvstore.sized import SizedBlob, SizedTier
 from prefill_worker.config import PrefillConfig
@@ -52,7 +54,7 @@ class SimPrefillJob:
 
 
 class SimPrefill:
-    def __init__(self, worker_id: str, config: PrefillConfig, costs: CostModels, index: GlobalIndex,
+    def __init__(self, worker_id: str, config: PrefillConfig, costs: CostModels, index: ClusterState,
                  loop: EventLoop, peers: dict[str, SimPrefill], on_done: Callable[[SimPrefillJob], None],
                  backend: str = "tcp", overheads: ClusterOverheads = NO_OVERHEADS,
                  on_start: Callable[[SimPrefillJob], None] = lambda job: None):

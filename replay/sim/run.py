@@ -173,7 +173,7 @@ class Simulation:
         life.routed_s = self.loop.now
         decode = self.cluster.decode[decision.decode_worker]
         if not decode.try_reserve(r.request_id, r.prompt_len + r.max_tokens):
-            self.core.pending.finish(r.request_id, self.loop.now)
+            self.core.finished(r.request_id)
             self._leave()
             self._reject(life, f"decode cache full on {decode.worker_id}", 1.0)
             return
@@ -205,8 +205,8 @@ class Simulation:
         life.first_s = self.loop.now + self.config.overheads.first_token_delay_s
         life.cached_tokens, life.loaded_tokens, life.prefill_worker_s = (job.num_reused_tokens, job.num_loaded_tokens,
                                                                          job.worker_s)
-        self.core.pending.prefill_done(job.request_id, self.loop.now)
-        self.core.speed.observe(d.prefill_worker, d.predicted.model_prefill_s, job.worker_s)  # as conductor.lifecycle
+        # The modelled worker put its blocks into the index itself, as a live response's events are.
+        self.core.prefilled(job.request_id, d.prefill_worker, d.predicted.model_prefill_s, job.worker_s)
         r = life.req
         decode = self.cluster.decode[d.decode_worker]
         # The response's handling and the verdict stretch the step in progress; an idle loop's
@@ -216,14 +216,14 @@ class Simulation:
             decode.release(r.request_id)
             self._finish(life)
             return
-        self.core.pending.decode_started(r.request_id, self.loop.now)
+        self.core.decoding(r.request_id)
         join_s = self.config.overheads.decode_join_s(self._rng.random() if self._draw_joins else 0.0)
         # The join delays are fitted from the client's first token on, which comes that much later.
         self._after(self.config.overheads.first_token_delay_s + join_s, decode.join,
                     SimDecodeRequest(r.request_id, r.prompt_len, r.max_tokens))
 
     def _decode_progress(self, request: SimDecodeRequest) -> None:
-        self.core.pending.generated(request.request_id, request.num_generated)
+        self.core.generated(request.request_id, request.num_generated)
 
     def _decode_done(self, request: SimDecodeRequest) -> None:
         life = self.lives[request.request_id]
@@ -245,7 +245,7 @@ class Simulation:
 
     def _finish(self, life: _Life) -> None:
         r, d, now = life.req, life.decision, self.loop.now
-        self.core.pending.finish(r.request_id, now)
+        self.core.finished(r.request_id)
         self._leave()
         ttft = life.first_s - r.arrival_s
         times = (ttft, *(t - r.arrival_s for t in life.token_times_s))

@@ -9,6 +9,8 @@ from collections import Counter
 
 import pytest
 
+from clusterstate.state import ClusterState
+from clusterstate.workers import PrefillJobLoad, WorkerInfo, WorkerLoad, WorkerRole
 from conductor.clock import ManualClock
 from conductor.config import SLO, ConductorConfig, SLOTable, parse_tenant_slos
 from conductor.core import ConductorCore, RequestFacts
@@ -25,8 +27,6 @@ from conductor.routing import (
 )
 from conductor.snapshot import RegistryEntry, build_snapshot
 from costmodel import CostModels
-from kvstore.index import PrefillJobLoad, WorkerLoad, WorkerRole
-from kvstore.index_memory import MemoryIndex
 from runtime.settings import parse_config
 
 BS = 16
@@ -41,7 +41,9 @@ class StaticCluster:
 
     def __init__(self, entries: tuple[RegistryEntry, ...]):
         self.entries = entries
-        self.index = MemoryIndex(ttl_s=1e9)
+        self.index = ClusterState(ttl_s=1e9)
+        for e in entries:
+            self.index.register(e.info)
 
     def registry_view(self, wall_now_s: float) -> tuple[RegistryEntry, ...]:
         return self.entries
@@ -54,8 +56,8 @@ class StaticCluster:
 
 
 def entry(worker_id: str, role: str, load: WorkerLoad | None = None, age_s: float = 0.0) -> RegistryEntry:
-    return RegistryEntry(worker_id, WorkerRole(role), f"rpc-{worker_id}", f"tcp://{worker_id}",
-                         load or WorkerLoad(num_free_pages=1000), age_s)
+    info = WorkerInfo(worker_id, WorkerRole(role), f"rpc-{worker_id}", 1000, transfer_address=f"tcp://{worker_id}")
+    return RegistryEntry(info, load or WorkerLoad(num_free_pages=1000), age_s)
 
 
 def facts(i: int, n: int = 200) -> RequestFacts:
@@ -188,8 +190,8 @@ def test_a_worker_id_is_bound_to_its_instance() -> None:
     from runtime.auth import CONDUCTOR, Member, worker_principal
 
     now = [0.0]
-    index = MemoryIndex(ttl_s=3.0, clock=lambda: now[0])
-    cluster = Cluster(index, Member(b"s" * 64, CONDUCTOR))
+    cluster = Cluster.in_memory(Member(b"s" * 64, CONDUCTOR), ttl_s=3.0, clock=lambda: now[0])
+    index = cluster.state
     info = ipb.WorkerInfo(worker_id="p0", role=ipb.WORKER_ROLE_PREFILL, rpc_address="127.0.0.1:1",
                           transfer_address="tcp://127.0.0.1:2", model_fingerprint="fp", block_size=16,
                           instance_id="a" * 32)

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 import engine
+from clusterstate.workers import WorkerInfo, WorkerLoad, WorkerRole
 from conductor.clock import ManualClock
 from conductor.config import SLO, ConductorConfig, SLOTable
 from conductor.core import ConductorCore, _without
@@ -33,7 +34,6 @@ from conductor.snapshot import RegistryEntry, build_snapshot
 from conductor.validation import ValidRequest
 from costmodel import CostModels
 from engine.sampler import SamplingParams
-from kvstore.index import WorkerLoad, WorkerRole
 from proto import inference_pb2 as pb
 from tests.conductor.test_core import StaticCluster
 
@@ -57,9 +57,11 @@ def reference(prompt: list[int], max_tokens: int, stop: tuple[int, ...] = ()) ->
 
 def static_cluster(worker_ids: tuple[str, ...]) -> StaticCluster:
     """Workers named p* (prefill) and d* (decode), each with room, never changing."""
-    return StaticCluster(tuple(RegistryEntry(w, WorkerRole.PREFILL if w.startswith("p") else WorkerRole.DECODE,
-                                             f"rpc-{w}", f"tcp://{w}", WorkerLoad(num_free_pages=1000))
-                               for w in worker_ids))
+    def info(w: str) -> WorkerInfo:
+        role = WorkerRole.PREFILL if w.startswith("p") else WorkerRole.DECODE
+        return WorkerInfo(w, role, f"rpc-{w}", 1000, transfer_address=f"tcp://{w}")
+
+    return StaticCluster(tuple(RegistryEntry(info(w), WorkerLoad(num_free_pages=1000)) for w in worker_ids))
 
 
 class ScriptedDispatcher:

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from clusterstate.workers import PrefillJobLoad
 from conductor.config import RoutingConfig
 from conductor.mooncake import queue_s, tbt_after_join
 from conductor.routing import (
@@ -24,7 +25,6 @@ from conductor.routing import (
 )
 from costmodel import CostModels
 from kvstore.blocks import Tier
-from kvstore.index import PrefillJobLoad
 
 BS = 10
 # prefill: 1 ms per new token; decode step: 10 ms + 2 ms per request; transfer: 1 s per 1e6 bytes,

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from clusterstate.workers import PrefillJobLoad
 from conductor.policies import CacheAwareConfig, make_cache_aware
 from conductor.routing import (
     ClusterSnapshot,
@@ -27,7 +28,6 @@ from conductor.routing import (
     register_policy,
 )
 from costmodel import CostModels
-from kvstore.index import PrefillJobLoad
 
 BLOCK_SIZE = 4
 # Every registered policy is built from this context; time-aware ones read these costs.

@@ -1,5 +1,5 @@
 """An instrumented cluster in the test process: the real Conductor lifecycle and core (with a
-real ``Cluster`` over a ``MemoryIndex``), a real ``PrefillRunner`` over a real ``TieredStore``
+real ``Cluster`` over its in-memory state), a real ``PrefillRunner`` over a real ``TieredStore``
 (DRAM + SSD), a real ``DecodeScheduler``, and the real transfer engine between them (tcp on
 127.0.0.1). Only the gRPC hops are replaced by ``InProcDispatcher``, which calls the worker
 objects directly, and ``serve`` mirrors ``InferenceService.Generate`` (admission, outcome
@@ -33,7 +33,6 @@ from decode_worker.scheduler import DecodeScheduler, Finished
 from decode_worker.sink import expected_for, sink_for
 from engine.sampler import SamplingParams
 from kvstore.index import BlockEvent
-from kvstore.index_memory import MemoryIndex
 from kvstore.metrics import StoreMetrics
 from kvstore.store import StoreConfig, StoreEvent, TieredStore
 from kvstore.transfer.base import TransferConfig
@@ -135,7 +134,7 @@ class InProcCluster:
                                          metrics=DecodeMetrics(Identity(DECODE, "decode", "tiny"), registry))
         self.scheduler.start()
         self.receiver = Receiver(TransferConfig())
-        self.cluster = Cluster(MemoryIndex(ttl_s=3600), Member(b"in-process" * 8, CONDUCTOR))
+        self.cluster = Cluster.in_memory(Member(b"in-process" * 8, CONDUCTOR), ttl_s=3600)
         for worker_id, role, pages in ((PREFILL, ipb.WORKER_ROLE_PREFILL, 512), (DECODE, ipb.WORKER_ROLE_DECODE, 1024)):
             reason = self.cluster.register(ipb.WorkerInfo(
                 worker_id=worker_id, role=role, rpc_address="127.0.0.1:1", transfer_address=self.receiver.address,

@@ -1,5 +1,6 @@
-"""Global index: contract tests over both backends and exact mechanism tests of the memory
-backend with an injected clock. Redis-only behaviour is in test_index_redis.py."""
+"""The cluster state: contract tests on a state changed directly and on replicas changed
+through a log in Redis, and exact mechanism tests (leases, integrity, slots) with an injected
+clock. The shared log's own behaviour (gaps, snapshots, outages) is in test_redis_log.py."""
 
 from __future__ import annotations
 
@@ -8,25 +9,17 @@ import threading
 from typing import TYPE_CHECKING
 
 import pytest
-import redis
 
+from clusterstate.state import ClusterState
+from clusterstate.workers import PrefillJobLoad, WorkerInfo, WorkerLoad, WorkerRole
 from kvstore.blocks import Tier, chain_keys
-from kvstore.hitrule import match_blocks
-from kvstore.index import (
-    BlockEvent,
-    MatchSnapshot,
-    PrefillJobLoad,
-    WorkerInfo,
-    WorkerLoad,
-    WorkerMatch,
-    WorkerRole,
-)
-from kvstore.index_memory import MemoryIndex
+from kvstore.hitrule import leading_present, usable_prefix
+from kvstore.index import BlockEvent, MatchSnapshot, WorkerMatch
 
 if TYPE_CHECKING:
     pass
 
-from tests.kvstore.index_support import (
+from tests.clusterstate.state_support import (
     KEYS,
     D,
     FakeClock,
@@ -135,7 +128,7 @@ def test_registry_heartbeat_and_loads(harness: Harness) -> None:
     assert index.workers()[0] == (w1, load)
     # Registering an alive worker again refreshes its info but keeps load and blocks.
     index.apply([stored("w1", 0, snap=True)])
-    moved = WorkerInfo("w1", WorkerRole.PREFILL, "10.0.0.1:1", 64, 1, 2)
+    moved = WorkerInfo("w1", WorkerRole.PREFILL, "10.0.0.1:1", 64, 1, 2, instance_id=w1.instance_id)
     assert index.register(moved) is False
     assert index.workers()[0] == (moved, load)
     assert index.match(KEYS[:1]).get("w1") == WorkerMatch("w1", 1, 1, (M,))
@@ -167,13 +160,8 @@ def test_reap_expired_purges_entries(harness: Harness) -> None:
     harness.expire(index, "w1")
     assert index.reap_expired() == ("w1",)
     assert index.reap_expired() == ()
-    if isinstance(index, MemoryIndex):
-        index.check_integrity()
-        assert index.stored_events() == []
-    else:
-        client = redis.Redis.from_url(harness.redis_url or "")
-        assert list(client.scan_iter(f"{harness.namespace}:*")) == []
-        client.close()
+    index.check_integrity()
+    assert (index.state if hasattr(index, "state") else index).stored_events() == []
 
 
 def test_invalid_inputs_raise_value_error(harness: Harness) -> None:
@@ -204,9 +192,9 @@ def _hit_rule_match(holdings: dict[str, dict[bytes, tuple[Tier, bool]]], alive: 
     for worker_id in sorted(alive):
         held = holdings.get(worker_id, {})
         tiers = [held[k][0] if k in held else None for k in keys]
-        result = match_blocks(tiers, [k in held and held[k][1] for k in keys])
-        present = result.num_present_blocks
-        matches.append(WorkerMatch(worker_id, present, result.num_blocks, tuple(tiers[:present])))
+        present = leading_present(tiers)
+        usable = usable_prefix(tiers, [k in held and held[k][1] for k in keys])
+        matches.append(WorkerMatch(worker_id, present, usable, tuple(tiers[:present])))
     return MatchSnapshot(len(keys), tuple(matches))
 
 
@@ -247,9 +235,9 @@ def test_match_follows_the_hit_rule_on_random_holdings(harness: Harness) -> None
 # --- memory mechanism: exact lease arithmetic, integrity, threads ------------------------
 
 
-def test_memory_lease_expires_exactly_at_ttl_and_heartbeats_renew() -> None:
+def test_state_lease_expires_exactly_at_ttl_and_heartbeats_renew() -> None:
     clock = FakeClock()
-    index = MemoryIndex(ttl_s=2.0, clock=clock)
+    index = ClusterState(ttl_s=2.0, clock=clock)
     index.register(info("w1"))
     index.apply([stored("w1", 0, snap=True)])
     clock.advance(1.999)
@@ -264,9 +252,9 @@ def test_memory_lease_expires_exactly_at_ttl_and_heartbeats_renew() -> None:
     index.check_integrity()
 
 
-def test_memory_writes_reap_expired_workers() -> None:
+def test_state_writes_reap_expired_workers() -> None:
     clock = FakeClock()
-    index = MemoryIndex(ttl_s=1.0, clock=clock)
+    index = ClusterState(ttl_s=1.0, clock=clock)
     index.register(info("w1"))
     index.apply([stored("w1", i) for i in range(4)])
     clock.advance(1.0)
@@ -276,9 +264,9 @@ def test_memory_writes_reap_expired_workers() -> None:
     index.check_integrity()
 
 
-def test_memory_stored_events_replay_into_an_equal_index() -> None:
+def test_state_stored_events_replay_into_an_equal_index() -> None:
     clock = FakeClock()
-    source, copy = MemoryIndex(clock=clock), MemoryIndex(clock=clock)
+    source, copy = ClusterState(clock=clock), ClusterState(clock=clock)
     for index in (source, copy):
         index.register(info("w1"))
         index.register(info("w2"))
@@ -288,18 +276,18 @@ def test_memory_stored_events_replay_into_an_equal_index() -> None:
     assert sorted(copy.stored_events(), key=repr) == sorted(source.stored_events(), key=repr)
 
 
-def test_memory_check_integrity_detects_a_broken_mirror() -> None:
-    index = MemoryIndex(clock=FakeClock())
+def test_state_check_integrity_detects_a_broken_mirror() -> None:
+    index = ClusterState(clock=FakeClock())
     index.register(info("w1"))
     index.apply([stored("w1", 0)])
     index.check_integrity()
-    index._worker_blocks["w1"].clear()  # break the invariant behind the index's back
+    index._blocks._worker_blocks["w1"].clear()  # break the invariant behind the index's back
     with pytest.raises(AssertionError):
         index.check_integrity()
 
 
-def test_memory_index_is_consistent_under_concurrent_threads() -> None:
-    index = MemoryIndex(clock=FakeClock())
+def test_state_index_is_consistent_under_concurrent_threads() -> None:
+    index = ClusterState(clock=FakeClock())
     workers = [f"w{i}" for i in range(4)]
     for worker_id in workers:
         index.register(info(worker_id))
@@ -330,8 +318,8 @@ def test_worker_match_keeps_tiers_as_bytes() -> None:
     assert WorkerMatch("w1", 2, 0, (S, S)).slowest_usable_tier is None
 
 
-def test_memory_rows_widen_past_16_workers_and_free_slots_are_reused() -> None:
-    index = MemoryIndex(clock=FakeClock())
+def test_state_rows_widen_past_16_workers_and_free_slots_are_reused() -> None:
+    index = ClusterState(clock=FakeClock())
     workers = [f"w{i:02d}" for i in range(40)]
     for worker_id in workers:
         index.register(info(worker_id))
@@ -339,7 +327,7 @@ def test_memory_rows_widen_past_16_workers_and_free_slots_are_reused() -> None:
         depth = i % 8 + 1
         index.apply([stored(worker_id, j, Tier(i % 3), snap=j == depth - 1) for j in range(depth)])
     index.check_integrity()
-    assert index._width == 64  # 16 -> 32 -> 64
+    assert index._blocks._width == 64  # 16 -> 32 -> 64
     snapshot = index.match(KEYS)
     assert [m.num_blocks_usable for m in snapshot.matches] == [i % 8 + 1 for i in range(40)]
     assert snapshot.get("w10") == WorkerMatch("w10", 3, 3, (M, M, M))
@@ -349,10 +337,10 @@ def test_memory_rows_widen_past_16_workers_and_free_slots_are_reused() -> None:
     index.register(info("new"))
     index.apply([stored("new", 0, M, snap=True)])
     index.check_integrity()
-    assert index._width == 64 and index._slots["new"] < 20  # took a slot the removed workers freed
+    assert index._blocks._width == 64 and index._blocks._slots["new"] < 20  # took a slot the removed workers freed
     assert index.match(KEYS[:2]).get("new") == WorkerMatch("new", 1, 1, (M,))
     assert index.match(KEYS).get("w38") == WorkerMatch("w38", 7, 7, (D,) + (S,) * 6)
     for worker_id in [*workers[20:], "new"]:
         index.remove(worker_id)
     index.check_integrity()
-    assert index._rows == {} and index.stored_events() == []
+    assert index._blocks._rows == {} and index.stored_events() == []

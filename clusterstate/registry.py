@@ -1,0 +1,109 @@
+"""The worker registry: each worker's registration, lease and latest load, in one owner.
+
+Time is the cluster's wall clock (seconds since the epoch), injected (``clock``), so every
+Conductor replica applying the same log sees the same leases: a change carries the time it
+happened (``at_s``, the log entry's), and a worker is alive while ``clock() - last_seen_s <
+ttl_s``. An expired worker stays in the table, invisible to readers, until ``reap_expired``
+or a new registration of its id. No lock: the owner (``clusterstate.state.ClusterState``)
+serialises access.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from clusterstate.workers import WorkerInfo, WorkerLoad
+
+Clock = Callable[[], float]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerEntry:
+    info: WorkerInfo
+    load: WorkerLoad
+    last_seen_s: float
+    heartbeat_seq: int = 0  # the last heartbeat applied (a worker numbers its heartbeats)
+
+
+class WorkerRegistry:
+    """Leases of ``ttl_s`` seconds, renewed by registrations and heartbeats."""
+
+    def __init__(self, ttl_s: float, clock: Clock) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._entries: dict[str, WorkerEntry] = {}
+
+    def now(self) -> float:
+        return self._clock()
+
+    def is_alive(self, worker_id: str) -> bool:
+        entry = self._entries.get(worker_id)
+        return entry is not None and self._clock() - entry.last_seen_s < self.ttl_s
+
+    def alive_ids(self) -> list[str]:
+        now_s = self._clock()
+        return sorted(w for w, e in self._entries.items() if now_s - e.last_seen_s < self.ttl_s)
+
+    def entry(self, worker_id: str) -> WorkerEntry | None:
+        """The alive worker's entry, else None."""
+        return self._entries.get(worker_id) if self.is_alive(worker_id) else None
+
+    def register(self, info: WorkerInfo, at_s: float | None = None) -> bool:
+        """Add or refresh ``info``; True for a new incarnation: the id was not alive, or it
+        registers as another instance (its old blocks are not held by this one)."""
+        at_s = self._clock() if at_s is None else at_s
+        old = self.entry(info.worker_id)
+        is_new = old is None or old.info.instance_id != info.instance_id
+        if is_new:
+            self._entries[info.worker_id] = WorkerEntry(info, WorkerLoad.initial(info), at_s)
+        else:
+            self._entries[info.worker_id] = dataclasses.replace(old, info=info, last_seen_s=max(old.last_seen_s, at_s))
+        return is_new
+
+    def heartbeat(self, worker_id: str, load: WorkerLoad, at_s: float | None = None, seq: int = 0) -> bool:
+        """Record ``load`` and renew the lease; False (no change) when the worker is not alive.
+        A heartbeat numbered ``seq`` at or below the last one applied renews nothing and keeps
+        the newer load (a replayed or reordered heartbeat); 0 means unnumbered."""
+        entry = self.entry(worker_id)
+        if entry is None:
+            return False
+        if seq and seq <= entry.heartbeat_seq:
+            return True
+        at_s = self._clock() if at_s is None else at_s
+        self._entries[worker_id] = WorkerEntry(entry.info, load, max(entry.last_seen_s, at_s),
+                                               seq or entry.heartbeat_seq)
+        return True
+
+    def remove(self, worker_id: str) -> bool:
+        return self._entries.pop(worker_id, None) is not None
+
+    def workers(self) -> list[tuple[WorkerInfo, WorkerLoad]]:
+        return [(self._entries[w].info, self._entries[w].load) for w in self.alive_ids()]
+
+    def entries(self) -> list[WorkerEntry]:
+        """Every entry, alive or expired-but-not-reaped, by id (a snapshot of the state)."""
+        return [self._entries[w] for w in sorted(self._entries)]
+
+    def restore(self, entry: WorkerEntry) -> None:
+        """Put ``entry`` back as it was (a snapshot being loaded)."""
+        self._entries[entry.info.worker_id] = entry
+
+    def known_ids(self) -> set[str]:
+        """Every id in the table, alive or expired-but-not-reaped."""
+        return set(self._entries)
+
+    def reap_expired(self) -> list[str]:
+        """Drop expired entries; return their ids, sorted."""
+        alive = set(self.alive_ids())
+        expired = sorted(w for w in self._entries if w not in alive)
+        for worker_id in expired:
+            del self._entries[worker_id]
+        return expired
+
+    def check_integrity(self) -> None:
+        for worker_id, entry in self._entries.items():
+            assert entry.info.worker_id == worker_id, (worker_id, entry)
+            assert entry.heartbeat_seq >= 0, entry

@@ -1,0 +1,163 @@
+"""``ClusterState``: the registry and the block index of one Conductor, behind one lock.
+
+Every change is a transition here (``register``, ``heartbeat``, ``apply``, ``remove``,
+``reap_expired``), applied in the order of the cluster's log (``clusterstate.log``), so every
+replica that applied the same entries holds the same state (``digest`` compares them).
+Rules shared by every caller:
+
+- A worker holds a block at one tier at a time; a ``STORED`` event sets (or moves) it, a
+  ``REMOVED`` event drops it. Events of a worker that is not alive are ignored: its blocks
+  would never be offered, and ignoring them keeps a dead worker from leaking index entries.
+- A worker is alive from ``register`` until ``remove`` or until ``ttl_s`` passes without a
+  ``heartbeat``. An expired worker vanishes from ``workers()`` and ``match()`` at once; its
+  blocks are purged by ``reap_expired()`` or when the id registers again. A registration as
+  a new instance (another ``instance_id``) drops what the old one held.
+- ``match(keys)`` reports, per alive worker, the contiguous held prefix of ``keys`` and the
+  usable prefix under the hybrid hit rule (``kvstore.hitrule``).
+
+Thread-safe: one lock; every method takes it once and calls only the registry, the index
+and value code under it (no I/O).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Sequence
+
+from clusterstate.registry import Clock, WorkerEntry, WorkerRegistry
+from clusterstate.workers import WorkerInfo, WorkerLoad
+from kvstore.block_index import BlockHold, BlockIndex
+from kvstore.blocks import BlockKey
+from kvstore.index import BlockEvent, MatchSnapshot
+
+
+class ClusterState:
+    """``ttl_s``: the heartbeat lease; ``clock``: the cluster's wall clock (seconds)."""
+
+    def __init__(self, ttl_s: float = 10.0, clock: Clock = time.time) -> None:
+        self._lock = threading.Lock()
+        self._registry = WorkerRegistry(ttl_s, clock)
+        self._blocks = BlockIndex()
+
+    @property
+    def ttl_s(self) -> float:
+        return self._registry.ttl_s
+
+    def now(self) -> float:
+        """The cluster clock the leases run on."""
+        return self._registry.now()
+
+    # ---- transitions --------------------------------------------------------------------------
+    def register(self, info: WorkerInfo, at_s: float | None = None) -> bool:
+        """Register or refresh a worker (counts as a heartbeat). True for a new incarnation:
+        its old blocks are dropped and its load starts at ``WorkerLoad.initial``."""
+        with self._lock:
+            self._reap()
+            is_new = self._registry.register(info, at_s)
+            if is_new:
+                self._blocks.drop_worker(info.worker_id)
+            return is_new
+
+    def heartbeat(self, worker_id: str, load: WorkerLoad, events: Sequence[BlockEvent] = (),
+                  at_s: float | None = None, seq: int = 0) -> bool:
+        """Record ``load``, renew the lease and apply the worker's block ``events``; False
+        (nothing applied) when the worker is not alive: it must register again."""
+        with self._lock:
+            if not self._registry.heartbeat(worker_id, load, at_s, seq):
+                return False
+            for event in events:
+                self._blocks.apply(event)
+            return True
+
+    def apply(self, events: Sequence[BlockEvent]) -> int:
+        """Apply events in order; return how many were applied (events of dead workers are not)."""
+        with self._lock:
+            self._reap()
+            alive: dict[str, bool] = {}
+            num_applied = 0
+            for event in events:
+                w = event.worker_id
+                if alive.setdefault(w, self._registry.is_alive(w)):
+                    self._blocks.apply(event)
+                    num_applied += 1
+            return num_applied
+
+    def remove(self, worker_id: str) -> bool:
+        """Forget a worker and all its blocks; return whether it was known."""
+        with self._lock:
+            self._blocks.drop_worker(worker_id)
+            return self._registry.remove(worker_id)
+
+    def reap_expired(self) -> tuple[str, ...]:
+        """Purge workers whose lease ran out, with their blocks; return their ids."""
+        with self._lock:
+            return self._reap()
+
+    def _reap(self) -> tuple[str, ...]:
+        expired = self._registry.reap_expired()
+        for worker_id in expired:
+            self._blocks.drop_worker(worker_id)
+        return tuple(expired)
+
+    # ---- reading ------------------------------------------------------------------------------
+    def match(self, keys: Sequence[BlockKey]) -> MatchSnapshot:
+        """Prefix match of ``keys`` against every alive worker (sorted by id, zero matches
+        included). No side effects."""
+        with self._lock:
+            return self._blocks.match(keys, self._registry.alive_ids())
+
+    def workers(self) -> list[tuple[WorkerInfo, WorkerLoad]]:
+        """Alive workers with their latest load, sorted by worker id."""
+        with self._lock:
+            return self._registry.workers()
+
+    def worker(self, worker_id: str) -> WorkerInfo | None:
+        """The alive worker's registration, else None."""
+        with self._lock:
+            entry = self._registry.entry(worker_id)
+            return entry.info if entry is not None else None
+
+    def try_hold(self, worker_id: str, key: BlockKey) -> BlockHold | None:
+        """The holding of ``key`` by ``worker_id``, or None (also when the worker is not alive)."""
+        with self._lock:
+            return self._blocks.try_hold(worker_id, key) if self._registry.is_alive(worker_id) else None
+
+    def stored_events(self) -> list[BlockEvent]:
+        """One ``STORED`` event per block of every alive worker, to replay into another state."""
+        with self._lock:
+            return [BlockEvent.stored(w, key, hold.tier, hold.has_snapshot)
+                    for w in self._registry.alive_ids() for key, hold in sorted(self._blocks.holdings(w).items())]
+
+    # ---- whole-state copies (the log's snapshots) ---------------------------------------------
+    def export(self) -> list[tuple[WorkerEntry, dict[BlockKey, BlockHold]]]:
+        """Every registry entry with the blocks it holds, by worker id."""
+        with self._lock:
+            return [(e, self._blocks.holdings(e.info.worker_id)) for e in self._registry.entries()]
+
+    def replace(self, workers: Sequence[tuple[WorkerEntry, dict[BlockKey, BlockHold]]]) -> None:
+        """Become exactly ``workers`` (an ``export``, of this state or another replica's)."""
+        with self._lock:
+            for worker_id in self._registry.known_ids():
+                self._blocks.drop_worker(worker_id)
+                self._registry.remove(worker_id)
+            for entry, held in workers:
+                self._registry.restore(entry)
+                for key, hold in held.items():
+                    self._blocks.apply(BlockEvent.stored(entry.info.worker_id, key, hold.tier, hold.has_snapshot))
+
+    def digest(self) -> str:
+        """A hash of every registration, lease and holding: equal on two replicas exactly when
+        they hold the same state."""
+        h = hashlib.blake2b(digest_size=16)
+        for entry, held in self.export():
+            h.update(repr((entry.info, entry.load, entry.last_seen_s, entry.heartbeat_seq)).encode())
+            for key in sorted(held):
+                h.update(key + bytes((held[key].code,)))
+        return h.hexdigest()
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            self._registry.check_integrity()
+            self._blocks.check_integrity(self._registry.known_ids())

@@ -1,0 +1,47 @@
+"""Opening the cluster state a Conductor routes on: in memory for one Conductor
+(``--index memory``), or followed from the store's log that replicas share (``--index
+redis://...``, ``rediss://...``, ``redis+sentinel://...``; ``clusterstate.redis_log``)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from clusterstate.log import EntryApplier, LocalLog, StateLog
+from clusterstate.records import StoreKeys
+from clusterstate.redis_conn import connect, parse_store_url, read_password
+from clusterstate.redis_log import RedisLog, RedisLogConfig
+from clusterstate.state import ClusterState
+from conductor.config import ConductorConfig
+
+
+@dataclass(frozen=True)
+class SharedState:
+    state: ClusterState
+    log: StateLog
+    applier: EntryApplier
+    keys: StoreKeys
+
+    @property
+    def shared(self) -> bool:
+        """Whether other replicas read this state's log (a store), not only this Conductor."""
+        return not isinstance(self.log, LocalLog)
+
+
+def open_state(config: ConductorConfig, secret: bytes) -> SharedState:
+    """The state and its log, not started; ``ValueError`` naming a bad ``--index`` or password file."""
+    state = ClusterState(ttl_s=config.worker_ttl_s)
+    keys = StoreKeys.from_secret(secret)
+    applier = EntryApplier(state, keys)
+    replica_id = f"conductor-{uuid.uuid4().hex[:8]}"
+    if config.index in ("", "memory"):
+        return SharedState(state, LocalLog(applier, replica_id), applier, keys)
+    address = parse_store_url(config.index)
+    password = read_password(config.index_password_file)
+    log_config = RedisLogConfig(namespace=config.index_namespace, max_lag_s=config.max_index_lag_s,
+                                replicas_wait=1 if address.scheme == "redis+sentinel" else 0)
+
+    def client():
+        return connect(address, password, config.index_tls_ca)
+
+    return SharedState(state, RedisLog(client, applier, keys, replica_id, log_config), applier, keys)

@@ -1,0 +1,151 @@
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import operator
+from collections.abc import Iterable, Sequence
+
+from kvstore.blocks import BlockKey, Tier
+from kvstore.hitrule import usable_length
+from kvstore.index import BlockEvent, BlockEventKind, MatchSnapshot, WorkerMatch, check_keys
+
+assert 2 * max(Tier) + 2 < 256, "a row byte holds 1 + 2 * tier + snapshot"
+_MIN_WIDTH = 16  # slots a row has at first; doubled when a new one does not fit
+# Row byte -> the tier / the snapshot flag it encodes (bytes.translate tables; 0 -> 0).
+_TIER_OF_CODE = bytes((c - 1) // 2 if 0 < c <= 2 * len(Tier) else 0 for c in range(256))
+_SNAPSHOT_OF_CODE = bytes((c - 1) % 2 if 0 < c <= 2 * len(Tier) else 0 for c in range(256))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockHold:
+    """One worker's holding of one block."""
+
+    tier: Tier
+    has_snapshot: bool
+
+    @property
+    def code(self) -> int:
+        """The row byte of this holding (see the module docstring)."""
+        return 1 + 2 * int(self.tier) + int(self.has_snapshot)
+
+    @classmethod
+    def of_code(cls, code: int) -> BlockHold:
+        return cls(Tier(_TIER_OF_CODE[code]), bool(_SNAPSHOT_OF_CODE[code]))
+
+
+class BlockIndex:
+    """Block holdings per worker; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._worker_blocks: dict[str, dict[BlockKey, BlockHold]] = {}
+        self._rows: dict[BlockKey, bytearray] = {}  # the same holdings, by key: one byte per slot
+        self._slots: dict[str, int] = {}  # exactly the workers of _worker_blocks
+        self._width = _MIN_WIDTH  # bytes in every row
+        self._free_slots = list(range(self._width - 1, -1, -1))  # pop(): the last freed, else lowest unused
+
+    def apply(self, event: BlockEvent) -> None:
+        """One worker's stored (or moved) or removed block."""
+        if event.kind is BlockEventKind.STORED:
+            assert event.tier is not None
+            self._store(event.worker_id, event.key, BlockHold(event.tier, event.has_snapshot))
+        else:
+            self._drop(event.worker_id, event.key)
+
+    def match(self, keys: Sequence[BlockKey], worker_ids: Iterable[str]) -> MatchSnapshot:
+        """Per worker of ``worker_ids`` (sorted), its held and usable prefix of ``keys``."""
+        # Rows up to the first key nobody holds (every prefix ends there), as one matrix.
+        try:
+            rows = list(itertools.takewhile(operator.truth, map(self._rows.get, keys)))
+        except TypeError:  # an unhashable key: the check below names it
+            rows = []
+        check_keys(keys[len(rows) :])  # the keys found were checked when they were stored
+        matrix = b"".join(rows)
+        return MatchSnapshot(len(keys), tuple(self._worker_match(w, matrix) for w in worker_ids))
+
+    def drop_worker(self, worker_id: str) -> None:
+        """Forget every block ``worker_id`` holds."""
+        held = self._worker_blocks.pop(worker_id, None)
+        if held is None:
+            return
+        slot = self._slots.pop(worker_id)
+        for key in held:
+            self._clear(slot, key)
+        self._free_slots.append(slot)
+
+    def holdings(self, worker_id: str) -> dict[BlockKey, BlockHold]:
+        """What ``worker_id`` holds (a copy)."""
+        return dict(self._worker_blocks.get(worker_id, {}))
+
+    def try_hold(self, worker_id: str, key: BlockKey) -> BlockHold | None:
+        return self._worker_blocks.get(worker_id, {}).get(key)
+
+    def holders(self) -> list[str]:
+        return sorted(self._worker_blocks)
+
+    def check_integrity(self, known_ids: set[str]) -> None:
+        """Raise ``AssertionError`` if the rows and the per-worker maps disagree, a slot is
+        shared or dangling, or a block is held by a worker not in ``known_ids``."""
+        assert self._slots.keys() == self._worker_blocks.keys(), "slots and block holders differ"
+        used = sorted(self._slots.values())
+        assert len(set(used)) == len(used), f"shared slots {used}"
+        assert set(used).isdisjoint(self._free_slots), f"slots {used} also free {self._free_slots}"
+        assert all(0 <= s < self._width for s in used + self._free_slots), f"slots beyond {self._width}"
+        num_pairs = 0
+        for worker_id, held in self._worker_blocks.items():
+            assert held, f"empty block set left for {worker_id}"
+            assert worker_id in known_ids, f"blocks held by unregistered worker {worker_id}"
+            slot = self._slots[worker_id]
+            for key, hold in held.items():
+                row = self._rows.get(key)
+                assert row is not None and row[slot] == hold.code, (worker_id, key.hex())
+            num_pairs += len(held)
+        for key, row in self._rows.items():
+            assert len(row) == self._width and any(row), f"row of {key.hex()}: {bytes(row)!r}"
+        assert num_pairs == sum(len(row) - row.count(0) for row in self._rows.values()), "block maps differ"
+
+    def _worker_match(self, worker_id: str, matrix: bytes) -> WorkerMatch:
+        """One worker's column of ``matrix`` up to its first 0: the contiguous held prefix."""
+        slot = self._slots.get(worker_id)
+        if slot is None:
+            return WorkerMatch(worker_id, 0, 0, b"")
+        column = matrix[slot :: self._width]
+        num_present = column.find(0)
+        codes = column if num_present < 0 else column[:num_present]
+        num_usable = usable_length(codes.translate(_SNAPSHOT_OF_CODE))
+        return WorkerMatch(worker_id, len(codes), num_usable, codes.translate(_TIER_OF_CODE))
+
+    def _slot(self, worker_id: str) -> int:
+        slot = self._slots.get(worker_id)
+        if slot is not None:
+            return slot
+        if not self._free_slots:
+            old = self._width
+            self._width *= 2
+            for row in self._rows.values():
+                row.extend(bytes(old))
+            self._free_slots = list(range(self._width - 1, old - 1, -1))
+        self._slots[worker_id] = slot = self._free_slots.pop()
+        return slot
+
+    def _store(self, worker_id: str, key: BlockKey, hold: BlockHold) -> None:
+        slot = self._slot(worker_id)
+        row = self._rows.get(key)
+        if row is None:
+            row = self._rows[key] = bytearray(self._width)
+        row[slot] = hold.code
+        self._worker_blocks.setdefault(worker_id, {})[key] = hold
+
+    def _drop(self, worker_id: str, key: BlockKey) -> None:
+        held = self._worker_blocks.get(worker_id)
+        if held is None or held.pop(key, None) is None:
+            return
+        self._clear(self._slots[worker_id], key)
+        if not held:
+            del self._worker_blocks[worker_id]
+            self._free_slots.append(self._slots.pop(worker_id))
+
+    def _clear(self, slot: int, key: BlockKey) -> None:
+        row = self._rows[key]
+        row[slot] = 0
+        if row.count(0) == len(row):  # nobody holds it any more
+            del self._rows[key]
