@@ -13,10 +13,13 @@ Keys under one namespace ``ns`` (one Redis primary; Sentinel for its high availa
 Appending is one Lua script (INCR, then XADD per entry), so sequence numbers follow stream
 order and a reader detects every gap: a sequence number that is not the next one means
 entries were trimmed past it or the store failed over or restarted. It then repairs from
-the snapshot (the stream is trimmed only up to the stored snapshot's position), or, when the
+the snapshot (the stream is never trimmed past the stored snapshot's position), or, when the
 epoch changed (the store came back empty), keeps its own state, reads the new stream from
 its start on top of it and writes a snapshot of the result, so replicas that start later
 find the cluster again.
+
+The stream is trimmed at each snapshot up to the one before it: a replica less than a
+snapshot interval behind reads on, one further behind repairs.
 
 A state entry's ``publish`` appends it and waits until this replica's reader has applied it
 (the reader wakes as soon as the entry is added: XREAD BLOCK), so every replica applies state
@@ -56,6 +59,7 @@ from proto.convert import load_from_proto, load_to_proto
 log = logging.getLogger(__name__)
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 KEY_BYTES = 16
+SNAPSHOT_LOCK_MS = 5_000  # one replica writes a snapshot at a time (released when written)
 EPOCH_CHECK_S = 2.0  # how often an idle reader checks that the store still holds its log
 
 _APPEND = """
@@ -68,12 +72,14 @@ end
 return out
 """
 # A snapshot replaces the stored one only when it is newer in the same epoch; the stream is
-# then trimmed up to its position (entries after it stay: a reader resumes from there).
+# then trimmed up to the *previous* snapshot's position, so a replica a little behind the
+# writer reads on without a gap (one falling a whole interval behind repairs from the snapshot).
 _PUT_SNAPSHOT = """
-local old = redis.call('HMGET', KEYS[1], 'seq', 'epoch')
+if redis.call('GET', KEYS[3]) == ARGV[5] then redis.call('DEL', KEYS[3]) end
+local old = redis.call('HMGET', KEYS[1], 'seq', 'epoch', 'position')
 if old[1] and old[2] == ARGV[3] and tonumber(old[1]) >= tonumber(ARGV[1]) then return 0 end
 redis.call('HSET', KEYS[1], 'seq', ARGV[1], 'position', ARGV[2], 'epoch', ARGV[3], 'blob', ARGV[4])
-redis.call('XTRIM', KEYS[2], 'MINID', ARGV[2])
+if old[3] and old[2] == ARGV[3] then redis.call('XTRIM', KEYS[2], 'MINID', old[3]) end
 return 1
 """
 
@@ -365,11 +371,12 @@ class RedisLog:
         if not due or not self._caught_up or self._outbox or self._degraded_since is not None:
             return
         self._since_snapshot, self._last_snapshot_s = 0, time.monotonic()
-        if not self._redis.set(self._lock_key, self.replica_id, nx=True, px=int(cfg.snapshot_every_s * 500) or 1):
-            return  # another replica writes this one
+        if not self._redis.set(self._lock_key, self.replica_id, nx=True, px=SNAPSHOT_LOCK_MS):
+            return  # another replica is writing one
         snapshot = self.snapshot()
-        self._put_snapshot(keys=[self._snapshot_key, self._stream],
-                           args=[snapshot.seq, snapshot.position, snapshot.epoch, self.keys.seal_snapshot(snapshot)])
+        self._put_snapshot(keys=[self._snapshot_key, self._stream, self._lock_key],
+                           args=[snapshot.seq, snapshot.position, snapshot.epoch, self.keys.seal_snapshot(snapshot),
+                                 self.replica_id])
 
     def snapshot(self) -> spb.StateSnapshot:
         """This replica's whole state as of the last entry it applied (the reader's thread, or

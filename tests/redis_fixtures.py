@@ -25,22 +25,33 @@ START_TIMEOUT_S = 10.0
 
 
 class RedisServer:
-    """One ``redis-server`` process; ``start``/``kill`` may be repeated on the same port."""
+    """One ``redis-server`` process; ``start``/``kill`` may be repeated on the same port.
+    ``password``: AUTH required (``requirepass``, and ``masterauth`` for a replica);
+    ``replica_of``: the port of the primary this server replicates."""
 
-    def __init__(self, binary: str, data_dir: Path, port: int) -> None:
+    def __init__(self, binary: str, data_dir: Path, port: int, password: str = "", replica_of: int = 0) -> None:
         self.binary = binary
         self.data_dir = data_dir
         self.port = port
+        self.password = password
+        self.replica_of = replica_of
         self.url = f"redis://127.0.0.1:{port}/0"
         self._proc: subprocess.Popen[bytes] | None = None
+
+    def client(self, **kwargs) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password or None, **kwargs)
 
     def start(self) -> None:
         assert self._proc is None, "already running"
         log_path = self.data_dir / "redis.log"
         argv = [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", ""]
         argv += ["--appendonly", "no", "--dir", str(self.data_dir), "--logfile", str(log_path)]
+        if self.password:
+            argv += ["--requirepass", self.password, "--masterauth", self.password]
+        if self.replica_of:
+            argv += ["--replicaof", "127.0.0.1", str(self.replica_of)]
         self._proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2)
+        client = self.client(socket_connect_timeout=0.2)
         deadline_s = time.monotonic() + START_TIMEOUT_S
         try:
             while True:
@@ -90,10 +101,10 @@ def redis_server_factory(tmp_path: Path) -> Iterator[Callable[[], RedisServer]]:
     binary = _binary()
     servers: list[RedisServer] = []
 
-    def start() -> RedisServer:
+    def start(password: str = "", replica_of: int = 0) -> RedisServer:
         data_dir = tmp_path / f"redis{len(servers)}"
         data_dir.mkdir()
-        server = RedisServer(binary, data_dir, free_port())
+        server = RedisServer(binary, data_dir, free_port(), password, replica_of)
         servers.append(server)
         server.start()
         return server
