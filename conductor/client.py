@@ -1,9 +1,21 @@
-"""A small client for the public ``Inference`` API, used by the CLI, the demo and benchmarks."""
+"""A small client for the public ``Inference`` API, used by the CLI, the demo, replays and
+benchmarks, that knows several Conductor replicas and fails over between them.
+
+``Client(endpoints)`` takes one ``host:port`` or several (a list, or comma-separated): the
+replicas of one cluster. A call that a replica cannot take (it is down or draining:
+UNAVAILABLE, or its connection dropped) goes to the next one. A stream whose Conductor dies
+mid-way is resumed on another replica (``GenerateRequest.resume``: the tokens already
+received; the Conductor goes on after them token-exactly), so the caller sees one stream
+(``ResumableCall``). Nothing that was refused for a reason of its own (invalid, over
+capacity, past its deadline) is retried.
+"""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -54,13 +66,66 @@ def public_channel(endpoint: str, api_key: str = "", tls_ca: str = "") -> grpc.C
     return grpc.intercept_channel(ch, _Bearer(api_key)) if api_key else ch
 
 
+log = logging.getLogger(__name__)
+MAX_FAILOVERS = 6  # replicas tried in a row for one call before its error is the caller's
+FAILOVER_BACKOFF_S = 0.2  # before the n-th try: this x 2^(n-1), at most the max (about 7 s in all)
+FAILOVER_BACKOFF_MAX_S = 2.0
+# What gRPC says (with UNKNOWN or INTERNAL) when a server's connection drops mid-call.
+_CONNECTION_LOST = ("stream removed", "socket closed", "connection reset", "failed to connect")
+
+
+def is_failover(e: grpc.RpcError) -> bool:
+    """Whether another replica should get the call: this one is down, draining or cut off (not
+    a refusal the Conductor made for the request itself, which carries ``reject-reason``)."""
+    code = e.code()
+    trailers = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
+    if "reject-reason" in trailers:
+        return False
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return True
+    details = (e.details() or "").lower()
+    return code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) and any(m in details for m in _CONNECTION_LOST)
+
+
+def split_endpoints(endpoints: str | Sequence[str]) -> list[str]:
+    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+    out = [e.strip() for e in items if e.strip()]
+    if not out:
+        raise ValueError("a Conductor endpoint (host:port, or several comma-separated) is required")
+    return out
+
+
 class Client:
-    def __init__(self, endpoint: str, api_key: str = "", tls_ca: str = ""):
-        self._channel = public_channel(endpoint, api_key, tls_ca)
-        self.stub = pgrpc.InferenceStub(self._channel)
+    """``endpoints``: one Conductor ``host:port``, or its replicas (a list or comma-separated)."""
+
+    def __init__(self, endpoints: str | Sequence[str], api_key: str = "", tls_ca: str = "",
+                 max_failovers: int = MAX_FAILOVERS):
+        self.endpoints = split_endpoints(endpoints)
+        self._channels = [public_channel(e, api_key, tls_ca) for e in self.endpoints]
+        self._stubs = [pgrpc.InferenceStub(ch) for ch in self._channels]
+        self._current = 0
+        self.max_failovers = max_failovers
+        self.num_failovers = 0  # calls moved to another replica, in all
+        self.num_resumed = 0  # streams resumed on another replica mid-way
+
+    @property
+    def stub(self) -> pgrpc.InferenceStub:
+        """The stub of the replica calls go to now."""
+        return self._stubs[self._current]
+
+    def failed_over(self, dead: pgrpc.InferenceStub) -> None:
+        """The replica behind ``dead`` failed a call: the next calls go to the next one."""
+        if dead is self._stubs[self._current] and len(self._stubs) > 1:
+            self._current = (self._current + 1) % len(self._stubs)
+        self.num_failovers += 1
 
     def close(self) -> None:
-        self._channel.close()
+        for ch in self._channels:
+            ch.close()
+
+    def stream(self, req: pb.GenerateRequest, timeout_s: float = 300.0) -> ResumableCall:
+        """One request's messages, across failovers; ``cancel()`` ends it."""
+        return ResumableCall(self, req, timeout_s)
 
     @staticmethod
     def request(prompt: str | Sequence[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
@@ -78,7 +143,7 @@ class Client:
         """Runs one request to its end; raises grpc.RpcError for a refused request."""
         out = Completion()
         t0 = time.perf_counter()
-        for msg in self.stub.Generate(req, timeout=timeout_s):
+        for msg in self.stream(req, timeout_s):
             if not out.token_ids and msg.token_ids:
                 out.ttft_s = time.perf_counter() - t0
                 out.prefill_worker, out.decode_worker = msg.prefill_worker, msg.decode_worker
@@ -96,3 +161,57 @@ class Client:
                 out.predicted_ttft_s = msg.timing.predicted_ttft_s
         out.total_s = time.perf_counter() - t0
         return out
+
+
+class ResumableCall:
+    """A ``Generate`` stream that survives its Conductor: when the replica fails, the call goes
+    to the next one, and once tokens have arrived it resumes after them (``resume``). Iterate
+    it once; ``cancel`` from any thread ends it (``grpc.RpcError`` CANCELLED, as a call's)."""
+
+    def __init__(self, client: Client, req: pb.GenerateRequest, timeout_s: float):
+        self.client, self.req, self.timeout_s = client, req, timeout_s
+        self.num_resumed = 0
+        self._call: grpc.Call | None = None
+        self._cancelled = False
+        self._lock = threading.Lock()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+    def __iter__(self) -> Iterator[pb.GenerateResponse]:
+        until = time.monotonic() + self.timeout_s
+        sent: list[int] = []
+        failovers = 0
+        while True:
+            req = pb.GenerateRequest()
+            req.CopyFrom(self.req)
+            if sent:
+                req.resume.ids[:] = list(self.req.resume.ids) + sent
+            stub = self.client.stub
+            with self._lock:
+                call = self._call = stub.Generate(req, timeout=max(0.001, until - time.monotonic()))
+                if self._cancelled:
+                    call.cancel()
+            try:
+                for msg in call:
+                    sent.extend(msg.token_ids)
+                    yield msg
+                return
+            except grpc.RpcError as e:
+                if self._cancelled or not is_failover(e) or failovers >= self.client.max_failovers:
+                    raise
+                failovers += 1
+                self.client.failed_over(stub)
+                # A lone Conductor restarted by its supervisor comes back within seconds.
+                time.sleep(min(FAILOVER_BACKOFF_MAX_S, FAILOVER_BACKOFF_S * 2 ** (failovers - 1),
+                               max(0.0, until - time.monotonic())))
+                if sent:
+                    self.num_resumed += 1
+                    self.client.num_resumed += 1
+                log.warning("the Conductor failed the call (%s: %s); %s on %s", e.code().name, e.details(),
+                            f"resuming after {len(sent)} tokens" if sent else "trying again",
+                            self.client.endpoints[self.client._current])

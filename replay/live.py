@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 import grpc
 
-from conductor.client import Client
+from conductor.client import Client, ResumableCall
 from proto import inference_pb2 as pb
 from replay.live_http import HttpSender, is_http
 from replay.progress import Progress
@@ -129,7 +129,7 @@ class _Sender:
         self.client, self.t0, self.timeout_s, self.run_tag, self.progress = client, t0, timeout_s, run_tag, progress
         self.on_message = on_message
         self.stopping = threading.Event()
-        self._calls: dict[str, grpc.Call] = {}
+        self._calls: dict[str, ResumableCall] = {}
         self._lock = threading.Lock()
 
     def now_s(self) -> float:
@@ -161,7 +161,7 @@ class _Sender:
     def _stream(self, r: ReplayRequest, arrival: float) -> RequestRecord:
         sid = f"{self.run_tag}-{r.index}"
         s = _Stream()
-        call = self.client.stub.Generate(to_proto(r, sid), timeout=self.timeout_s)
+        call = self.client.stream(to_proto(r, sid), timeout_s=self.timeout_s)  # resumed on another replica
         with self._lock:
             self._calls[sid] = call
             if self.stopping.is_set():

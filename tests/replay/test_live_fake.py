@@ -44,7 +44,8 @@ class Scripted(pgrpc.InferenceServicer):
             return  # no terminal message
         elif kind == 4:
             context.abort(grpc.StatusCode.INTERNAL, "kaput")
-        else:
+        else:  # a refusal, as the Conductor makes one (a replica that died is failed over instead)
+            context.set_trailing_metadata((("reject-reason", "no_workers"),))
             context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker")
 
 
