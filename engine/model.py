@@ -106,7 +106,8 @@ class HybridModel:
         [len, vocab] if all_logits else [1, vocab] for the last token.
 
         Chunks are cut every ``chunk_tokens`` and at each absolute position in ``snapshot_at``,
-        where a copy of the KDA state is kept in ``seq.snapshots`` (no recomputation).
+        where a copy of the KDA state is kept in ``seq.snapshots`` (no recomputation). A model
+        without KDA layers keeps its (empty) state at those positions without cutting there.
         """
         start = seq.num_tokens
         end = start + len(token_ids)
@@ -115,11 +116,12 @@ class HybridModel:
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device)
         outs = []
         prefixes = self._expanded_prefixes(cache, seq, end)
-        for lo, hi in _chunks(start, end, chunk_tokens or self.prefill_chunk_tokens, snapshot_at):
+        cuts = snapshot_at if self.cfg.cache_layout.has_state else ()
+        for lo, hi in _chunks(start, end, chunk_tokens or self.prefill_chunk_tokens, cuts):
             hidden = self._prefill_chunk(cache, seq, ids[lo - start : hi - start], lo, on_layer, prefixes)
             seq.num_tokens = hi
-            if hi in snapshot_at:
-                seq.snapshots[hi] = (cache.slots.state[:, seq.slot].clone(), cache.slots.conv[:, seq.slot].clone())
+            for point in (p for p in snapshot_at if lo < p <= hi):  # == hi when there is state to cut for
+                seq.snapshots[point] = (cache.slots.state[:, seq.slot].clone(), cache.slots.conv[:, seq.slot].clone())
             outs.append(hidden if all_logits else hidden[-1:])
         return self.logits(torch.cat(outs) if all_logits else outs[-1])
 
