@@ -41,6 +41,9 @@ def test_k2_instruct_config_reads_as_shipped():
     assert ModelConfig.from_dict(v5) == cfg
     # Written back and read again: the same config.
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    # Without model_type, the architectures list chooses.
+    bare = {k: v for k, v in K2_INSTRUCT.items() if k != "model_type"}
+    assert ModelConfig.from_dict(bare) == cfg
 
 
 @pytest.mark.parametrize(("change", "message"), [
