@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
+from engine.linear import linear_weight
 
 
 @dataclass(frozen=True)
@@ -24,8 +25,8 @@ class MLPWeights:
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str) -> MLPWeights:
-        return cls(torch.cat([t[prefix + "gate_proj.weight"], t[prefix + "up_proj.weight"]], 0),
-                   t[prefix + "down_proj.weight"])
+        return cls(torch.cat([linear_weight(t, prefix + "gate_proj"), linear_weight(t, prefix + "up_proj")], 0),
+                   linear_weight(t, prefix + "down_proj"))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.w_gate_up).chunk(2, -1)
@@ -41,13 +42,16 @@ class MoEWeights:
     shared: MLPWeights
 
     @classmethod
-    def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str, num_experts: int) -> MoEWeights:
+    def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str, num_experts: int,
+                     names: tuple[str, str, str] = ("w1", "w3", "w2")) -> MoEWeights:
+        """``names``: each expert's (gate, up, down) projection, as the checkpoint calls them."""
+        gate, up, down = names
         e = [f"{prefix}experts.{i}." for i in range(num_experts)]
         return cls(
             router=t[prefix + "gate.weight"].float(),
             bias=t[prefix + "gate.e_score_correction_bias"].float(),
-            w13=torch.stack([torch.cat([t[p + "w1.weight"], t[p + "w3.weight"]], 0) for p in e]),
-            w2=torch.stack([t[p + "w2.weight"] for p in e]),
+            w13=torch.stack([torch.cat([linear_weight(t, p + gate), linear_weight(t, p + up)], 0) for p in e]),
+            w2=torch.stack([linear_weight(t, p + down) for p in e]),
             shared=MLPWeights.from_tensors(t, prefix + "shared_experts."),
         )
 
