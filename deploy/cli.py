@@ -183,17 +183,23 @@ def _cmd_up(args: argparse.Namespace) -> int:
     run_dir = Path(args.data_dir) if args.data_dir else new_up_run_dir()
     cluster = LocalCluster(ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, model=args.model,
                                          policy=args.policy, index=args.index, port=args.port,
+                                         num_conductors=args.conductors,
+                                         index_password_file=args.index_password_file,
                                          data_dir=args.data_dir, calibration=args.calibration,
                                          http_port=args.http_port, supervise=True, log_dir=str(run_dir / "logs"),
                                          api_keys=args.api_keys, tls=args.tls,
                                          state_file=str(run_dir / "state.json")))
     print_state_on_sigusr1(cluster)
-    print(f"starting conductor + {args.prefill} prefill + {args.decode} decode, supervised (logs in "
+    conductors = "conductor"
+    if args.conductors > 1:
+        store = args.index if args.index != "memory" else "a local redis-server"
+        conductors = f"{args.conductors} conductors (sharing their state in {store})"
+    print(f"starting {conductors} + {args.prefill} prefill + {args.decode} decode, supervised (logs in "
           f"{cluster.log_dir}; state in {cluster.state_file}: `tidekv status`, or kill -USR1 {os.getpid()})",
           file=sys.stderr)
     with cluster:
         http = f", OpenAI HTTP API {cluster.http_url}" if cluster.http_url else ""
-        print(f"tidekv cluster ready: endpoint {cluster.endpoint}{http}", flush=True)
+        print(f"tidekv cluster ready: endpoint {cluster.endpoints}{http}", flush=True)
         print(f"metrics: {', '.join(cluster.metrics_addresses())}", file=sys.stderr)
         if not args.api_keys:
             print("WARNING: the public endpoint takes no API key and trusts each request's tenant "
@@ -266,7 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", default="tiny", help="'tiny' (Kimi Linear), 'tiny-k2' (the K2 architecture) or a "
                                                     "checkpoint directory")
     up.add_argument("--policy", default="mooncake")
-    up.add_argument("--index", default="memory", help="memory or redis://127.0.0.1:6379")
+    up.add_argument("--conductors", type=int, default=1,
+                    help="Conductor replicas over one shared cluster state (> 1: in --index, or a local "
+                         "redis-server this command starts)")
+    up.add_argument("--index", default="memory", help="where the cluster state lives: memory, or a store "
+                                                      "(redis://, rediss://, redis+sentinel://HOST:PORT/SERVICE)")
+    up.add_argument("--index-password-file", default="", metavar="FILE", help="the store's password (AUTH)")
     up.add_argument("--port", type=int, default=50051)
     up.add_argument("--data-dir", default="", help="logs, state, SSD tiers and the calibration (default: SSD "
                                                    "tiers in a temporary directory, logs and state in "

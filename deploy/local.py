@@ -1,4 +1,10 @@
-"""Local process clusters: one Conductor plus prefill and decode workers on 127.0.0.1, supervised.
+"""Local process clusters: Conductors plus prefill and decode workers on 127.0.0.1, supervised.
+
+One Conductor by default (its cluster state in memory); with ``num_conductors`` N > 1 the
+Conductors are replicas over one shared state in a store: ``index`` if it names one, else a
+``redis-server`` this cluster starts and supervises itself (AUTH with a password made in the
+data dir, append-only file there, so a restarted store keeps the log). Workers and the HTTP
+front are given every Conductor's address and use whichever answers.
 
 ``LocalCluster`` starts each role as its own ``tidekv serve`` process, waits until every
 worker has registered with the Conductor, then watches every process from a supervisor
@@ -34,6 +40,7 @@ from pathlib import Path
 import grpc
 
 from deploy.cluster_state import ClusterState, WorkerState, workers_from_response, write_state
+from deploy.local_store import LocalStore
 from deploy.supervision import ProcessEvent, RestartPolicy, Supervisor
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
@@ -66,6 +73,8 @@ class ClusterConfig:
     decode_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict, hash=False)
     http_port: int = -1  # the OpenAI HTTP front: -1 none, 0 a free port
+    num_conductors: int = 1  # > 1: replicas over one shared state (a store: index, or one started here)
+    index_password_file: str = ""  # the store's password, for an index given here
     # Restart a process that dies while the cluster runs (`tidekv up` turns it on). Off by default
     # (exits are still reported): tests and benches kill workers to watch the cluster fail over.
     supervise: bool = False
@@ -88,8 +97,13 @@ class LocalCluster:
         # log_dir and state_file put them elsewhere); a given one (logs, SSD tiers) is kept.
         self._owns_data_dir = not config.data_dir
         self.data_dir = Path(config.data_dir or tempfile.mkdtemp(prefix="tidekv-up-"))
-        self.port = config.port or free_port()
-        self.metrics_port = free_port()  # the Conductor's /metrics; workers pick their own
+        if config.num_conductors < 1:
+            raise ValueError(f"num_conductors must be >= 1, got {config.num_conductors}")
+        self.ports = [config.port or free_port(), *(free_port() for _ in range(config.num_conductors - 1))]
+        self.port = self.ports[0]
+        self.metrics_ports = [free_port() for _ in self.ports]  # the Conductors' /metrics; workers pick their own
+        self.metrics_port = self.metrics_ports[0]
+        self.store: LocalStore | None = None
         self.http_port = (config.http_port or free_port()) if config.http_port >= 0 else -1
         self.log_dir = Path(config.log_dir) if config.log_dir else self.data_dir / "logs"
         self.state_file = Path(config.state_file) if config.state_file else self.data_dir / "state.json"
@@ -106,6 +120,10 @@ class LocalCluster:
             fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_hex(32))
+        self.index, self.index_password_file = config.index, config.index_password_file
+        if config.num_conductors > 1 and config.index in ("", "memory"):
+            self.store = LocalStore(self.data_dir / "store")
+            self.index, self.index_password_file = self.store.url, str(self.store.password_file)
         self.tls = TlsFiles()
         if config.tls:
             certs = self.data_dir / "tls"
@@ -171,20 +189,36 @@ class LocalCluster:
         return f"http://127.0.0.1:{self.http_port}/v1" if self.http_port > 0 else ""
 
     def metrics_addresses(self) -> list[str]:
-        """Every process's /metrics host:port: the Conductor's and each registered worker's."""
-        return [f"127.0.0.1:{self.metrics_port}",
+        """Every process's /metrics host:port: the Conductors' and each registered worker's."""
+        return [*(f"127.0.0.1:{p}" for p in self.metrics_ports),
                 *(w.metrics_address for w in self.workers().workers if w.metrics_address)]
 
     def conductor_counter(self, name: str) -> float:
-        """The Conductor's counter ``tidekv:NAME_total``, summed over its labels (0 when absent)."""
+        """The Conductors' counter ``tidekv:NAME_total``, summed over its labels and the
+        replicas (0 when absent)."""
         from observe.top import scrape
 
-        return sum(value for metric, _, value in scrape(f"127.0.0.1:{self.metrics_port}", timeout_s=10)
+        return sum(value for port in self.metrics_ports
+                   for metric, _, value in scrape(f"127.0.0.1:{port}", timeout_s=10)
                    if metric == f"tidekv:{name}_total")
 
     @property
     def endpoint(self) -> str:
+        """The first Conductor's address (any replica serves the same cluster)."""
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def conductor_addresses(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.ports]
+
+    @property
+    def endpoints(self) -> str:
+        """Every Conductor's address, comma-separated (what clients and workers are given)."""
+        return ",".join(self.conductor_addresses)
+
+    @staticmethod
+    def conductor_name(i: int) -> str:
+        return "conductor" if i == 0 else f"conductor-{i}"
 
     def _spawn(self, name: str, role: str, args: list[str], nice: int = 0) -> None:
         """Starts process ``name`` and hands it to the supervisor, which starts it again the
@@ -212,36 +246,41 @@ class LocalCluster:
         """A channel to one of this cluster's processes, signed as an operator (a member)."""
         return Member(self.secret_file.read_text().strip().encode(), OPERATOR, self.tls).channel(address)
 
-    def _spawn_conductor(self) -> None:
+    def _spawn_conductor(self, i: int) -> None:
         c = self.config
         extra = ["--calibration", c.calibration] if c.calibration else []
         extra += ["--api-keys", c.api_keys] if c.api_keys else ["--insecure-no-auth"]
-        self._spawn("conductor", "conductor", ["--port", str(self.port), "--model", c.model, "--policy", c.policy,
-                                              "--index", c.index, "--metrics-port", str(self.metrics_port),
-                                              *extra, *self._tls_args(), *c.conductor_args])
+        extra += ["--index-password-file", self.index_password_file] if self.index_password_file else []
+        self._spawn(self.conductor_name(i), "conductor", [
+            "--port", str(self.ports[i]), "--model", c.model, "--policy", c.policy, "--index", self.index,
+            "--metrics-port", str(self.metrics_ports[i]), *extra, *self._tls_args(), *c.conductor_args])
 
-    def restart_conductor(self, timeout_s: float = 60.0) -> None:
-        """Kills the Conductor (SIGKILL: no drain, on purpose: not a crash) and starts a new one
-        on the same port; the workers re-register with it (and republish their blocks) on their
-        next heartbeat."""
-        self._supervisor.replace("conductor")
+    def restart_conductor(self, timeout_s: float = 60.0, i: int = 0) -> None:
+        """Kills Conductor ``i`` (SIGKILL: no drain, on purpose: not a crash) and starts a new
+        one on the same port; with its state in memory, the workers re-register with it (and
+        republish their blocks) on their next heartbeat; a replica catches up from the log."""
+        self._supervisor.replace(self.conductor_name(i))
         self.wait_ready(timeout_s)
 
     def start(self, timeout_s: float = 120.0) -> LocalCluster:
         c = self.config
-        self._spawn_conductor()
+        if self.store is not None:
+            self._supervisor.add("store", "store", self.store.launch, self.store.log_path)
+            self.store.wait_ready(timeout_s)
+        for i in range(len(self.ports)):
+            self._spawn_conductor(i)
         for i in range(c.num_prefill):
             self._spawn(f"prefill-{i}", "prefill", [
-                "--conductor", self.endpoint, "--worker-id", f"prefill-{i}", "--model", c.model,
+                "--conductor", self.endpoints, "--worker-id", f"prefill-{i}", "--model", c.model,
                 "--data-dir", str(self.data_dir / f"prefill-{i}"), *self._tls_args(), *c.prefill_args],
                 nice=c.prefill_nice)
         for i in range(c.num_decode):
-            self._spawn(f"decode-{i}", "decode", ["--conductor", self.endpoint, "--worker-id", f"decode-{i}",
+            self._spawn(f"decode-{i}", "decode", ["--conductor", self.endpoints, "--worker-id", f"decode-{i}",
                                                  "--model", c.model, *self._tls_args(), *c.decode_args])
         try:
             self.wait_ready(timeout_s)
             if self.http_port > 0:
-                self._spawn("http", "http", ["--conductor", self.endpoint, "--port", str(self.http_port),
+                self._spawn("http", "http", ["--conductor", self.endpoints, "--port", str(self.http_port),
                                              "--model", c.model, *self._tls_args(serves=False)])
                 self._wait_http(timeout_s)
         except BaseException:
@@ -268,15 +307,23 @@ class LocalCluster:
                 time.sleep(0.2)
         raise RuntimeError(f"the HTTP front did not answer within {timeout_s:.0f}s")
 
-    def workers(self) -> ipb.WorkersResponse:
-        ch = self.channel(self.endpoint)
-        try:
-            return igrpc.RegistryStub(ch).Workers(ipb.WorkersRequest(), timeout=5)
-        finally:
-            ch.close()
+    def workers(self, conductor: str = "") -> ipb.WorkersResponse:
+        """The alive workers as a Conductor sees them (default: the first that answers)."""
+        addresses = [conductor] if conductor else self.conductor_addresses
+        for i, address in enumerate(addresses):
+            ch = self.channel(address)
+            try:
+                return igrpc.RegistryStub(ch).Workers(ipb.WorkersRequest(), timeout=5)
+            except grpc.RpcError:
+                if i == len(addresses) - 1:
+                    raise
+            finally:
+                ch.close()
+        raise AssertionError("unreachable")
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Until every worker is registered and alive; RuntimeError naming a process that died."""
+        """Until every Conductor sees every worker registered and alive; RuntimeError naming a
+        process that died."""
         want = self.config.num_prefill + self.config.num_decode
         until = time.monotonic() + timeout_s
         while time.monotonic() < until:
@@ -285,7 +332,7 @@ class LocalCluster:
                     tail = (self.log_dir / f"{name}.log").read_text()[-2000:]
                     raise RuntimeError(f"{name} exited with {p.returncode} during start-up:\n{tail}")
             try:
-                if len(self.workers().workers) >= want:
+                if all(len(self.workers(a).workers) >= want for a in self.conductor_addresses):
                     return
             except grpc.RpcError:
                 pass
@@ -294,8 +341,8 @@ class LocalCluster:
 
     def stop(self, grace_s: float = 20.0) -> None:
         """Stops supervising (nothing is restarted from here on), then drains front to back:
-        SIGTERM the HTTP front, then the Conductor, and wait (in-flight requests finish on live
-        workers), then SIGTERM the workers; SIGKILL whatever outlives ``grace_s``. Writes the
+        SIGTERM the HTTP front, then the Conductors, and wait (in-flight requests finish on live
+        workers), then SIGTERM the workers, then the store; SIGKILL whatever outlives ``grace_s``. Writes the
         final state; removes a data dir it made (see ``__init__``), else keeps everything. Idempotent."""
         self._supervisor.stop()
         self._stop_watching.set()
@@ -303,8 +350,10 @@ class LocalCluster:
             self._watcher.join()
         procs = self.procs
         until = time.monotonic() + grace_s
-        fronts = [[n for n in procs if n == "http"], [n for n in procs if n == "conductor"]]
-        for group in (*fronts, [n for n in procs if n not in ("http", "conductor")]):
+        conductors = [self.conductor_name(i) for i in range(len(self.ports))]
+        fronts = [[n for n in procs if n == "http"], [n for n in procs if n in conductors]]
+        workers = [n for n in procs if n not in ("http", "store", *conductors)]
+        for group in (*fronts, workers, [n for n in procs if n == "store"]):
             for name in group:
                 if procs[name].poll() is None:
                     procs[name].send_signal(signal.SIGTERM)
