@@ -18,6 +18,8 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from redis.sentinel import Sentinel
 
 SCHEMES = ("redis", "rediss", "redis+sentinel")
@@ -87,10 +89,12 @@ def read_password(path: str) -> str | None:
 
 
 def connect(address: StoreAddress, password: str | None = None, tls_ca: str = "",
-            socket_timeout_s: float = 1.0) -> redis.Redis:
+            socket_timeout_s: float = 0.5) -> redis.Redis:
     """A client of the store's primary (no command is sent yet)."""
+    # No retries inside redis-py: the log notices an unreachable store at once and serves from
+    # its own state (clusterstate.redis_log), rather than holding a heartbeat for seconds.
     common = dict(username=address.username, password=password, socket_timeout=socket_timeout_s,
-                  socket_connect_timeout=socket_timeout_s, health_check_interval=0)
+                  socket_connect_timeout=socket_timeout_s, health_check_interval=0, retry=Retry(NoBackoff(), 0))
     if address.scheme == "redis+sentinel":
         sentinel = Sentinel(list(address.nodes), sentinel_kwargs={k: common[k] for k in ("username", "password")}
                             | {"socket_timeout": socket_timeout_s, "socket_connect_timeout": socket_timeout_s},

@@ -187,7 +187,11 @@ class RedisLog:
             except UNREACHABLE as e:
                 self._mark_degraded(e)
             else:
-                self._wait_applied(seqs[-1])
+                if self._wait_applied(seqs[-1]):
+                    return
+                # In the log, but this replica's reader cannot reach it now: apply it here too
+                # (it is applied again, to the same effect, when the reader gets to it).
+                self.applier.apply(state_entry, own=True)
                 return
         self.applier.apply(state_entry, own=True)  # serve from what this replica knows meanwhile
         with self._cond:
@@ -220,16 +224,21 @@ class RedisLog:
             self._redis.execute_command("WAIT", self.config.replicas_wait, self.config.replicas_wait_ms)
         return seqs
 
-    def _wait_applied(self, seq: int) -> None:
+    def _wait_applied(self, seq: int) -> bool:
+        """Until the reader applied entry ``seq``: True; False when the store became unreachable
+        meanwhile or ``publish_timeout_s`` passed."""
         until = time.monotonic() + self.config.publish_timeout_s
         with self._cond:
             while self.seq < seq and not self._stop.is_set():
                 left = until - time.monotonic()
+                if self._degraded_since is not None:
+                    return False
                 if left <= 0:
                     self._warn_once("slow", f"this replica had not applied its own log entry {seq} within "
                                             f"{self.config.publish_timeout_s:g} s (at {self.seq})")
-                    return
-                self._cond.wait(left)
+                    return False
+                self._cond.wait(min(left, 0.05))
+            return True
 
     def _share_loop(self) -> None:
         next_beat = 0.0

@@ -1,7 +1,9 @@
-"""Redis outage while serving (end to end): a real redis-server behind the Conductor's index is
+"""Redis outage while serving (end to end): a real redis-server holding the cluster's log is
 SIGKILLed under load and restarted empty on the same port. Every request still finishes
-token-exact, prefixes the Conductor knows keep being reused during the outage, and after the
-restart the Conductor's resync puts the workers and their blocks back into Redis."""
+token-exact, prefixes the Conductor knows keep being reused during the outage (it routes on
+its own state and keeps the log entries meanwhile), and after the restart the Conductor puts
+its state back into the store: a replica started afterwards finds the workers and their
+blocks, including those stored only while Redis was down."""
 
 from __future__ import annotations
 
@@ -13,20 +15,24 @@ from dataclasses import dataclass, field
 import redis
 
 import engine
+from clusterstate.log import EntryApplier
+from clusterstate.records import StoreKeys
+from clusterstate.redis_log import RedisLog
+from clusterstate.state import ClusterState
 from conductor.client import Client, Completion
 from deploy.local import ClusterConfig, LocalCluster
 from kvstore.blocks import chain_keys
-from kvstore.index_redis import RedisIndex
+from runtime.auth import load_secret
 from tests.e2e.conftest import BLOCK, DECODE_ARGS, WORKER_ARGS
 from tests.e2e.helpers import prompt, wait_all_freed
 
-NAMESPACE = "tidekv"  # RedisIndex's default namespace, the one the Conductor uses
+NAMESPACE = "tidekv"  # the store namespace the Conductor uses by default
 NUM_CLIENTS = 3
 NUM_PER_PHASE = 2  # requests each client finishes wholly inside each phase
 MAX_TOKENS = 4
 DEADLINE_S = 120.0  # a guard against hangs, never an assertion on how long anything took
-OUTAGE_LOG = "answering from this Conductor's local index"
-RESYNC_LOG = "from the local view"
+OUTAGE_LOG = "the store is unreachable"
+RESYNC_LOG = "the store lost its data"
 PHASES = ("before", "outage", "after")
 
 
@@ -119,7 +125,6 @@ def test_redis_killed_and_restarted_empty_under_load(redis_server_factory, refer
     server = redis_server_factory()
     config = ClusterConfig(num_prefill=2, num_decode=1, index=f"redis://127.0.0.1:{server.port}",
                            prefill_args=WORKER_ARGS, decode_args=DECODE_ARGS)
-    admin = redis.Redis(host="127.0.0.1", port=server.port, decode_responses=True, socket_timeout=5)
     with LocalCluster(config) as cluster:
         workers = cluster.workers().workers
         worker_ids = sorted(w.worker_id for w in workers)
@@ -152,23 +157,28 @@ def test_redis_killed_and_restarted_empty_under_load(redis_server_factory, refer
                 t.join(DEADLINE_S)
         assert not any(t.is_alive() for t in threads)
 
-        assert all(admin.exists(f"{NAMESPACE}:worker:{w}") for w in worker_ids)
-        assert all(admin.scard(f"{NAMESPACE}:wblocks:{w}") > 0 for w in ("prefill-0", "prefill-1"))
-        # Redis holds the workers again, the prefix cached before the outage, and the blocks
-        # stored only while it was down (they reached Redis through the resync alone).
+        # The store holds the cluster again: a replica started now catches up to the workers,
+        # the prefix cached before the outage, and the blocks stored only while it was down.
         fingerprint = workers[0].model_fingerprint
-        view = RedisIndex(server.url, NAMESPACE)
-        best = view.match(chain_keys(base, BLOCK, fingerprint)).best_usable
-        during_keys, during_out = chain_keys(extra[1][0], BLOCK, fingerprint), extra[1][1]
-        during_match = view.match(during_keys).get(during_out.prefill_worker)
-        view.close()
-        assert best is not None and best.num_blocks_usable >= 144 // BLOCK, best
+        keys = StoreKeys.from_secret(load_secret(str(cluster.secret_file)))
+        state = ClusterState(ttl_s=30.0)
+        view = RedisLog(lambda: redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=5),
+                        EntryApplier(state, keys), keys, "test-replica")
+        view.start()
+        try:
+            wait_for(lambda: view.ready and len(state.workers()) == 3, "a new replica to find the cluster")
+            best = max(state.match(chain_keys(base, BLOCK, fingerprint)).matches, key=lambda m: m.num_blocks_usable)
+            during_keys, during_out = chain_keys(extra[1][0], BLOCK, fingerprint), extra[1][1]
+            during_match = state.match(during_keys).get(during_out.prefill_worker)
+        finally:
+            view.close()
+        assert sorted(w.worker_id for w, _ in state.workers()) == worker_ids
+        assert best.num_blocks_usable >= 144 // BLOCK, best
         assert during_match is not None and during_match.num_blocks_present == len(during_keys), during_match
 
         log = conductor_log(cluster)
         assert log.count(OUTAGE_LOG) == 1 and log.count(RESYNC_LOG) == 1, log[-4000:]
         stats = wait_all_freed(cluster)
-    admin.close()
 
     # Every request finished exactly once, token-exact; some were in flight when Redis died.
     sent = load.sent
