@@ -39,6 +39,8 @@ OverlayHandler = Callable[[spb.StateEntry], None]
 
 class StateLog(Protocol):
     replica_id: str
+    shared: bool  # other replicas read this log (through a store)
+    seq: int  # the sequence number of the last entry applied here
 
     def start(self) -> None:
         """Catch up with the log (a shared log: from its snapshot), then follow it."""
@@ -82,7 +84,7 @@ class EntryApplier:
                 self.state.heartbeat(hb.worker_id, load_from_proto(hb.load), _events(hb.worker_id, hb.events),
                                      at_s=entry.wall_s, seq=hb.seq)
             elif kind == "blocks":
-                self.state.apply(_events(entry.blocks.worker_id, entry.blocks.events))
+                self.state.apply(_events(entry.blocks.worker_id, entry.blocks.events), at_s=entry.wall_s)
             elif kind == "removed":
                 self.state.remove(entry.removed.worker_id)
             elif kind in ("pending", "replica"):
@@ -124,8 +126,11 @@ class LocalLog:
     """The embedded log of a single Conductor: every entry is applied as it is published, in
     publish order (one lock); nothing is shared, since no other replica reads it."""
 
+    shared = False
+
     def __init__(self, applier: EntryApplier, replica_id: str = "local"):
         self.applier, self.replica_id = applier, replica_id
+        self.seq = 0
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -134,6 +139,7 @@ class LocalLog:
     def publish(self, entry: spb.StateEntry) -> None:
         with self._lock:
             self.applier.apply(entry, own=True)
+            self.seq += 1
 
     def share(self, entry: spb.StateEntry) -> None:
         pass

@@ -110,6 +110,8 @@ class RedisLog:
     """``client``: makes a Redis client (``clusterstate.redis_conn.connect``); the reader gets a
     connection of its own for its blocking reads."""
 
+    shared = True
+
     def __init__(self, client: Callable[[], redis.Redis], applier: EntryApplier, keys: StoreKeys,
                  replica_id: str, config: RedisLogConfig = RedisLogConfig()):
         self.replica_id, self.config, self.applier, self.keys = replica_id, config, applier, keys
@@ -138,7 +140,9 @@ class RedisLog:
         self.num_resyncs = 0
         self._warned: set[str] = set()
         self._gap_at: tuple[int, str] | None = None
+        self._skip_wait_until = 0.0
         self._stop = threading.Event()
+        applier.state.hold_leases = self.leases_held_at
         self._threads = [threading.Thread(target=self._read_loop, name="state-log-reader", daemon=True),
                          threading.Thread(target=self._share_loop, name="state-log-sharer", daemon=True)]
 
@@ -164,6 +168,17 @@ class RedisLog:
                 return False
         return self.lag_s <= self.config.max_lag_s or self._degraded_since is not None
 
+    def leases_held_at(self) -> float | None:
+        """While this replica cannot follow the log (the store is down, or it is catching up), the
+        time its state is current as of: leases are judged then, not now, so that heartbeats it
+        has not heard yet do not expire their workers. None while it follows the log."""
+        with self._cond:
+            if self._degraded_since is not None:
+                return self._degraded_since
+            if not self._caught_up and self._behind_since_wall_s:
+                return self._behind_since_wall_s
+            return None
+
     @property
     def degraded(self) -> bool:
         """The store is unreachable (entries are applied here and kept in the outbox)."""
@@ -181,24 +196,27 @@ class RedisLog:
     # ---- writing ------------------------------------------------------------------------------
     def publish(self, state_entry: spb.StateEntry) -> None:
         fields = self.keys.entry_fields(state_entry)
-        if self._degraded_since is None:
-            try:
-                seqs = self._append_fields([fields])
-            except UNREACHABLE as e:
-                self._mark_degraded(e)
-            else:
-                if self._wait_applied(seqs[-1]):
+        while True:
+            if self._degraded_since is None:
+                try:
+                    seqs = self._append_fields([fields])
+                except UNREACHABLE as e:
+                    self._mark_degraded(e)
+                else:
+                    if not self._wait_applied(seqs[-1]):
+                        # In the log, but this replica's reader cannot reach it now: apply it here
+                        # too (it is applied again, to the same effect, when the reader gets to it).
+                        self.applier.apply(state_entry, own=True)
                     return
-                # In the log, but this replica's reader cannot reach it now: apply it here too
-                # (it is applied again, to the same effect, when the reader gets to it).
-                self.applier.apply(state_entry, own=True)
-                return
+            with self._cond:  # the outbox is drained under this lock before the store counts as back
+                if self._degraded_since is not None:
+                    self._outbox.append(fields)
+                    while len(self._outbox) > self.config.max_outbox:
+                        self._outbox.popleft()
+                        self._warn_once("outbox", "the store has been down long: dropping the oldest unsent "
+                                                  "log entries")
+                    break
         self.applier.apply(state_entry, own=True)  # serve from what this replica knows meanwhile
-        with self._cond:
-            self._outbox.append(fields)
-            while len(self._outbox) > self.config.max_outbox:
-                self._outbox.popleft()
-                self._warn_once("outbox", "the store has been down long: dropping the oldest unsent log entries")
 
     def share(self, overlay_entry: spb.StateEntry) -> None:
         self._shared.append(overlay_entry)
@@ -220,8 +238,15 @@ class RedisLog:
         for fields in batch:
             args += [fields[b"e"], fields[b"m"]]
         seqs = [int(s) for s in self._append(keys=[self._stream, self._seq_key], args=args)]
-        if self.config.replicas_wait:
-            self._redis.execute_command("WAIT", self.config.replicas_wait, self.config.replicas_wait_ms)
+        if self.config.replicas_wait and time.monotonic() >= self._skip_wait_until:
+            # Acknowledged by a Redis replica too, so that a failover to it loses nothing of
+            # what this replica went on from; a primary left without replicas is not waited on
+            # (for a while) rather than slowing every append by the timeout.
+            acked = self._redis.execute_command("WAIT", self.config.replicas_wait, self.config.replicas_wait_ms)
+            if int(acked) < self.config.replicas_wait:
+                self._skip_wait_until = time.monotonic() + 10.0
+                self._warn_once(f"wait:{self._skip_wait_until // 60}", "the store's primary has no replica "
+                                f"acknowledging appends ({acked} of {self.config.replicas_wait}); not waiting for one")
         return seqs
 
     def _wait_applied(self, seq: int) -> bool:
@@ -410,22 +435,28 @@ class RedisLog:
                             "kept and sent when it answers again", type(e).__name__, e)
 
     def _recovered(self) -> None:
+        """The store answers again: send the outbox, in order, then count it as back (checked
+        and switched under the lock that ``publish`` fills the outbox under, so no entry is
+        left behind)."""
         if self._degraded_since is None:
             return
-        with self._cond:
-            backlog = list(self._outbox)
-            self._outbox.clear()
-        try:
-            for start in range(0, len(backlog), 1000):
-                self._append_fields(backlog[start:start + 1000])
-        except UNREACHABLE:
+        num_sent = 0
+        while True:
             with self._cond:
-                self._outbox.extendleft(reversed(backlog))
-            raise
-        outage_s = time.time() - self._degraded_since
-        with self._cond:
-            self._degraded_since = None
-        log.info("the store answers again after %.1f s: sent %d log entries kept meanwhile", outage_s, len(backlog))
+                batch = [self._outbox.popleft() for _ in range(min(1000, len(self._outbox)))]
+                if not batch:
+                    outage_s = time.time() - self._degraded_since
+                    self._degraded_since = None
+                    self._caught_up = False  # leases stay held until the reader has read what it missed
+                    break
+            try:
+                self._append_fields(batch)
+            except UNREACHABLE:
+                with self._cond:
+                    self._outbox.extendleft(reversed(batch))
+                raise
+            num_sent += len(batch)
+        log.info("the store answers again after %.1f s: sent %d log entries kept meanwhile", outage_s, num_sent)
 
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned and len(self._warned) < 10_000:

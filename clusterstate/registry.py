@@ -2,8 +2,9 @@
 
 Time is the cluster's wall clock (seconds since the epoch), injected (``clock``), so every
 Conductor replica applying the same log sees the same leases: a change carries the time it
-happened (``at_s``, the log entry's), and a worker is alive while ``clock() - last_seen_s <
-ttl_s``. An expired worker stays in the table, invisible to readers, until ``reap_expired``
+happened (``at_s``, the log entry's) and is judged at that time (was the worker alive
+then?), so applying an entry late changes nothing; a reader's question "alive now?" is
+``clock() - last_seen_s < ttl_s``. An expired worker stays in the table, invisible to readers, until ``reap_expired``
 or a new registration of its id. No lock: the owner (``clusterstate.state.ClusterState``)
 serialises access.
 """
@@ -39,23 +40,24 @@ class WorkerRegistry:
     def now(self) -> float:
         return self._clock()
 
-    def is_alive(self, worker_id: str) -> bool:
+    def is_alive(self, worker_id: str, at_s: float | None = None) -> bool:
+        """Whether the worker is alive now (or at ``at_s``)."""
         entry = self._entries.get(worker_id)
-        return entry is not None and self._clock() - entry.last_seen_s < self.ttl_s
+        return entry is not None and (self._clock() if at_s is None else at_s) - entry.last_seen_s < self.ttl_s
 
     def alive_ids(self) -> list[str]:
         now_s = self._clock()
         return sorted(w for w, e in self._entries.items() if now_s - e.last_seen_s < self.ttl_s)
 
-    def entry(self, worker_id: str) -> WorkerEntry | None:
-        """The alive worker's entry, else None."""
-        return self._entries.get(worker_id) if self.is_alive(worker_id) else None
+    def entry(self, worker_id: str, at_s: float | None = None) -> WorkerEntry | None:
+        """The worker's entry if it is alive now (or at ``at_s``), else None."""
+        return self._entries.get(worker_id) if self.is_alive(worker_id, at_s) else None
 
     def register(self, info: WorkerInfo, at_s: float | None = None) -> bool:
         """Add or refresh ``info``; True for a new incarnation: the id was not alive, or it
         registers as another instance (its old blocks are not held by this one)."""
         at_s = self._clock() if at_s is None else at_s
-        old = self.entry(info.worker_id)
+        old = self.entry(info.worker_id, at_s)
         is_new = old is None or old.info.instance_id != info.instance_id
         if is_new:
             self._entries[info.worker_id] = WorkerEntry(info, WorkerLoad.initial(info), at_s)
@@ -67,12 +69,12 @@ class WorkerRegistry:
         """Record ``load`` and renew the lease; False (no change) when the worker is not alive.
         A heartbeat numbered ``seq`` at or below the last one applied renews nothing and keeps
         the newer load (a replayed or reordered heartbeat); 0 means unnumbered."""
-        entry = self.entry(worker_id)
+        at_s = self._clock() if at_s is None else at_s
+        entry = self.entry(worker_id, at_s)
         if entry is None:
             return False
         if seq and seq <= entry.heartbeat_seq:
             return True
-        at_s = self._clock() if at_s is None else at_s
         self._entries[worker_id] = WorkerEntry(entry.info, load, max(entry.last_seen_s, at_s),
                                                seq or entry.heartbeat_seq)
         return True
@@ -95,10 +97,10 @@ class WorkerRegistry:
         """Every id in the table, alive or expired-but-not-reaped."""
         return set(self._entries)
 
-    def reap_expired(self) -> list[str]:
-        """Drop expired entries; return their ids, sorted."""
-        alive = set(self.alive_ids())
-        expired = sorted(w for w in self._entries if w not in alive)
+    def reap_expired(self, grace_s: float = 0.0) -> list[str]:
+        """Drop entries expired for ``grace_s`` or more; return their ids, sorted."""
+        now_s = self._clock()
+        expired = sorted(w for w, e in self._entries.items() if now_s - e.last_seen_s >= self.ttl_s + grace_s)
         for worker_id in expired:
             del self._entries[worker_id]
         return expired

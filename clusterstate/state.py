@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from clusterstate.registry import Clock, WorkerEntry, WorkerRegistry
 from clusterstate.workers import WorkerInfo, WorkerLoad
@@ -34,20 +34,33 @@ from kvstore.index import BlockEvent, MatchSnapshot
 
 
 class ClusterState:
-    """``ttl_s``: the heartbeat lease; ``clock``: the cluster's wall clock (seconds)."""
+    """``ttl_s``: the heartbeat lease; ``clock``: the cluster's wall clock (seconds), which
+    changes are stamped with and leases run on, unless ``hold_leases`` (set by the log that
+    feeds this state) names a time to judge them at instead: a replica cut off from the log
+    hears no heartbeats and must not take that for every worker's death. ``reap_after_s``: how
+    long an expired worker's record and blocks are kept (hidden) before they are purged, so
+    that heartbeats another replica took meanwhile, arriving late through the log, still find
+    it (each is judged at its own time)."""
 
-    def __init__(self, ttl_s: float = 10.0, clock: Clock = time.time) -> None:
+    def __init__(self, ttl_s: float = 10.0, clock: Clock = time.time, reap_after_s: float = 0.0) -> None:
         self._lock = threading.Lock()
-        self._registry = WorkerRegistry(ttl_s, clock)
+        self._clock = clock
+        self.reap_after_s = reap_after_s
+        self.hold_leases: Callable[[], float | None] = lambda: None
+        self._registry = WorkerRegistry(ttl_s, self._lease_now)
         self._blocks = BlockIndex()
+
+    def _lease_now(self) -> float:
+        held = self.hold_leases()
+        return self._clock() if held is None else held
 
     @property
     def ttl_s(self) -> float:
         return self._registry.ttl_s
 
     def now(self) -> float:
-        """The cluster clock the leases run on."""
-        return self._registry.now()
+        """The cluster's wall clock (what changes are stamped with)."""
+        return self._clock()
 
     # ---- transitions --------------------------------------------------------------------------
     def register(self, info: WorkerInfo, at_s: float | None = None) -> bool:
@@ -71,15 +84,16 @@ class ClusterState:
                 self._blocks.apply(event)
             return True
 
-    def apply(self, events: Sequence[BlockEvent]) -> int:
-        """Apply events in order; return how many were applied (events of dead workers are not)."""
+    def apply(self, events: Sequence[BlockEvent], at_s: float | None = None) -> int:
+        """Apply events in order (that happened at ``at_s``, default now); return how many were
+        applied (events of workers that were not alive then are not)."""
         with self._lock:
             self._reap()
             alive: dict[str, bool] = {}
             num_applied = 0
             for event in events:
                 w = event.worker_id
-                if alive.setdefault(w, self._registry.is_alive(w)):
+                if alive.setdefault(w, self._registry.is_alive(w, at_s)):
                     self._blocks.apply(event)
                     num_applied += 1
             return num_applied
@@ -91,12 +105,16 @@ class ClusterState:
             return self._registry.remove(worker_id)
 
     def reap_expired(self) -> tuple[str, ...]:
-        """Purge workers whose lease ran out, with their blocks; return their ids."""
+        """Purge workers whose lease ran out (``reap_after_s`` ago), with their blocks; their ids."""
         with self._lock:
             return self._reap()
 
+    def alive_ids(self) -> list[str]:
+        with self._lock:
+            return self._registry.alive_ids()
+
     def _reap(self) -> tuple[str, ...]:
-        expired = self._registry.reap_expired()
+        expired = self._registry.reap_expired(self.reap_after_s)
         for worker_id in expired:
             self._blocks.drop_worker(worker_id)
         return tuple(expired)
@@ -156,6 +174,16 @@ class ClusterState:
             for key in sorted(held):
                 h.update(key + bytes((held[key].code,)))
         return h.hexdigest()
+
+    def blocks_digest(self) -> tuple[str, int]:
+        """A hash of every worker's holdings alone, and how many holdings there are."""
+        h, n = hashlib.blake2b(digest_size=16), 0
+        for entry, held in self.export():
+            h.update(entry.info.worker_id.encode() + b"\0")
+            for key in sorted(held):
+                h.update(key + bytes((held[key].code,)))
+            n += len(held)
+        return h.hexdigest(), n
 
     def check_integrity(self) -> None:
         with self._lock:

@@ -100,7 +100,7 @@ def calibration_check(config: ConductorConfig, costs: CostModels):
 
 NEEDS = {"/tidekv.v1.Inference/Generate": Need.OPEN,  # API keys, checked by the servicer
          "/tidekv.v1.Registry/Register": Need.MEMBER, "/tidekv.v1.Registry/Heartbeat": Need.SESSION,
-         "/tidekv.v1.Registry/Workers": Need.MEMBER}
+         "/tidekv.v1.Registry/Workers": Need.MEMBER, "/tidekv.v1.Registry/State": Need.MEMBER}
 
 
 class InferenceService:
@@ -233,6 +233,13 @@ class RegistryService(igrpc.RegistryServicer):
             resp.loads.append(load)
         return resp
 
+    def State(self, request: ipb.StateRequest, context: grpc.ServicerContext) -> ipb.StateResponse:
+        state, log_ = self.cluster.state, self.cluster.log
+        blocks, num_blocks = state.blocks_digest()
+        return ipb.StateResponse(replica_id=log_.replica_id, seq=log_.seq, digest=state.digest(),
+                                 blocks_digest=blocks, num_blocks=num_blocks, lag_s=min(log_.lag_s, 1e9),
+                                 shared=log_.shared)
+
 
 def build_core(config: ConductorConfig, cluster: Cluster, costs: CostModels, clock: Clock,
                shared: SharedState | None = None) -> ConductorCore:
@@ -294,13 +301,18 @@ class Conductor(ServiceBase):
         stop = threading.Event()
 
         def reap() -> None:
-            # A quarter of the lease: a worker that went silent (dead, or stopped) is out of the
-            # registry, and its in-flight calls are given up, within 1.25 leases.
+            # A quarter of the lease: a worker that went silent (dead, or stopped) leaves the
+            # registry's view, and its in-flight calls are given up, within 1.25 leases.
+            alive = set(shared.state.alive_ids())
             while not stop.wait(config.worker_ttl_s / 4):
-                expired = cluster.reap_expired()
-                for worker_id in expired:
-                    log.warning("worker %s stopped heartbeating; dropped with its blocks", worker_id)
-                dispatcher.workers_lost(expired)
+                now_alive = set(shared.state.alive_ids())
+                lost = sorted(alive - now_alive)
+                alive = now_alive
+                for worker_id in lost:
+                    log.warning("worker %s stopped heartbeating; out of the registry (its record and blocks are "
+                                "purged if it stays silent)", worker_id)
+                dispatcher.workers_lost(lost)
+                cluster.reap_expired()
                 for replica in core.replicas.sweep(self._clock.now()):
                     log.warning("Conductor replica %s went silent; its requests leave the overlay", replica)
 

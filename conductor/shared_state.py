@@ -25,12 +25,13 @@ class SharedState:
     @property
     def shared(self) -> bool:
         """Whether other replicas read this state's log (a store), not only this Conductor."""
-        return not isinstance(self.log, LocalLog)
+        return self.log.shared
 
 
 def open_state(config: ConductorConfig, secret: bytes) -> SharedState:
     """The state and its log, not started; ``ValueError`` naming a bad ``--index`` or password file."""
-    state = ClusterState(ttl_s=config.worker_ttl_s)
+    # An expired worker is hidden at once and purged ten leases later (ClusterState).
+    state = ClusterState(ttl_s=config.worker_ttl_s, reap_after_s=10 * config.worker_ttl_s)
     keys = StoreKeys.from_secret(secret)
     applier = EntryApplier(state, keys)
     replica_id = f"conductor-{uuid.uuid4().hex[:8]}"

@@ -130,3 +130,66 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url
+
+
+class Sentinels:
+    """A Redis primary with one replica, watched by ``num`` real ``redis-sentinel`` processes
+    (quorum 1, AUTH on everything) that fail it over a second after it stops answering."""
+
+    SERVICE = "tidekv-primary"
+
+    def __init__(self, factory: Callable[..., RedisServer], data_dir: Path, password: str, num: int = 2) -> None:
+        self.password = password
+        self.primary = factory(password=password)
+        self.replica = factory(password=password, replica_of=self.primary.port)
+        self._wait_synced()
+        self.ports = [free_port() for _ in range(num)]
+        self._procs: list[subprocess.Popen[bytes]] = []
+        binary = shutil.which("redis-sentinel") or pytest.skip("redis-sentinel not on PATH (Debian redis-sentinel)")
+        for i, port in enumerate(self.ports):
+            conf = data_dir / f"sentinel{i}.conf"
+            conf.write_text("\n".join([
+                f"port {port}", "bind 127.0.0.1", f"dir {data_dir}", f"requirepass {password}",
+                f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.primary.port} 1",
+                f"sentinel auth-pass {self.SERVICE} {password}",
+                f"sentinel down-after-milliseconds {self.SERVICE} 1000",
+                f"sentinel failover-timeout {self.SERVICE} 5000", ""]))
+            self._procs.append(subprocess.Popen([binary, str(conf), "--logfile", str(data_dir / f"sentinel{i}.log")],
+                                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        self.url = f"redis+sentinel://{','.join(f'127.0.0.1:{p}' for p in self.ports)}/{self.SERVICE}"
+
+    def _wait_synced(self) -> None:
+        client = self.replica.client(socket_timeout=1)
+        deadline_s = time.monotonic() + START_TIMEOUT_S
+        try:
+            while client.info("replication").get("master_link_status") != "up":
+                assert time.monotonic() < deadline_s, "the replica never synced with the primary"
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    def primary_port(self) -> int:
+        """The port the sentinels name as the primary now."""
+        for port in self.ports:
+            try:
+                client = redis.Redis(host="127.0.0.1", port=port, password=self.password, socket_timeout=1)
+                host, primary = client.sentinel_get_master_addr_by_name(self.SERVICE)
+                client.close()
+                return int(primary)
+            except redis.exceptions.RedisError:
+                continue
+        raise RuntimeError("no sentinel answers")
+
+    def close(self) -> None:
+        for proc in self._procs:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture
+def sentinels(redis_server_factory, tmp_path: Path) -> Iterator[Sentinels]:
+    s = Sentinels(redis_server_factory, tmp_path, "sentinel-test-password")
+    try:
+        yield s
+    finally:
+        s.close()

@@ -26,8 +26,8 @@ from tests.clusterstate.state_support import KEYS_OF_STORE, FakeClock, info
 DEADLINE_S = 30.0  # a guard against hangs, never an assertion on speed
 
 
-def replica(url: str, namespace: str, clock: FakeClock, **config) -> tuple[ClusterState, RedisLog]:
-    state = ClusterState(ttl_s=1e6, clock=clock)
+def replica(url: str, namespace: str, clock, **config) -> tuple[ClusterState, RedisLog]:
+    state = ClusterState(ttl_s=1e6, clock=clock)  # the wall clock: log entries' times are wall times
     log_ = RedisLog(lambda: redis.Redis.from_url(url, socket_timeout=2), EntryApplier(state, KEYS_OF_STORE),
                     KEYS_OF_STORE, f"replica-{id(state)}", RedisLogConfig(namespace=namespace, read_block_ms=50,
                                                                           **config))
@@ -54,7 +54,7 @@ def register(log_: RedisLog, clock: FakeClock, worker_id: str, role: WorkerRole 
 @pytest.mark.parametrize("snapshot_every", [1_000, 10**9], ids=["from-snapshot", "whole-stream"])
 def test_a_replica_started_after_10000_block_events_converges_exactly_and_only_then_is_ready(
         redis_url: str, snapshot_every: int) -> None:
-    clock, ns = FakeClock(), f"late{snapshot_every}"
+    clock, ns = time.time, f"late{snapshot_every}"
     first, first_log = replica(redis_url, ns, clock, snapshot_every_entries=snapshot_every)
     second, second_log = replica(redis_url, ns, clock, snapshot_every_entries=snapshot_every)
     try:
@@ -135,7 +135,7 @@ class PausableRelay:
 
 def test_a_replica_that_falls_a_snapshot_behind_repairs_from_it(
         redis_server, caplog: pytest.LogCaptureFixture) -> None:
-    clock, ns = FakeClock(), "gap"
+    clock, ns = time.time, "gap"
     relay = PausableRelay(redis_server.port)
     state, log_ = replica(redis_server.url, ns, clock, snapshot_every_entries=10)
     lagging = ClusterState(ttl_s=1e6, clock=clock)
@@ -167,7 +167,7 @@ def test_a_replica_that_falls_a_snapshot_behind_repairs_from_it(
 
 def test_malformed_oversized_and_foreign_records_are_dropped_and_logged_once(
         redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
-    clock, ns = FakeClock(), "garbage"
+    clock, ns = time.time, "garbage"
     state, log_ = replica(redis_url, ns, clock)
     try:
         register(log_, clock, "p0")
@@ -199,7 +199,7 @@ def test_malformed_oversized_and_foreign_records_are_dropped_and_logged_once(
 def test_the_store_restarted_empty_keeps_every_replica_state_and_a_new_one_finds_it(
         redis_server_factory, caplog: pytest.LogCaptureFixture) -> None:
     server = redis_server_factory()
-    clock, ns = FakeClock(), "restart"
+    clock, ns = time.time, "restart"
     state, log_ = replica(server.url, ns, clock, snapshot_every_entries=10**6, snapshot_every_s=0.2)
     try:
         register(log_, clock, "p0")
@@ -224,7 +224,7 @@ def test_the_store_restarted_empty_keeps_every_replica_state_and_a_new_one_finds
 
 
 def test_signature_nonces_are_shared_by_every_replica(redis_url: str) -> None:
-    clock = FakeClock()
+    clock = time.time
     _, a = replica(redis_url, "nonces", clock)
     _, b = replica(redis_url, "nonces", clock)
     try:
