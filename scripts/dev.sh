@@ -48,7 +48,7 @@ case "${1:-}" in
         exec "$venv/bin/tidekv" demo "$@"
         ;;
     test)
-        need_debian redis-server prometheus
+        need_debian redis-server redis-sentinel prometheus
         install_venv test
         shift
         "$venv/bin/ruff" check .
