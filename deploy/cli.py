@@ -71,7 +71,7 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     elif args.role == "prefill":
         from prefill_worker.server import serve
     elif args.role == "http":
-        from openai_api.server import serve
+        from openai_api.service import serve
     else:
         from decode_worker.server import serve
     serve(rest)

@@ -168,12 +168,14 @@ class LocalCluster:
     @property
     def http_url(self) -> str:
         """The OpenAI HTTP front's base URL ("" without one)."""
-        return f"http://127.0.0.1:{self.http_port}/v1" if self.http_port > 0 else ""
+        scheme = "https" if self.tls.ca else "http"
+        return f"{scheme}://127.0.0.1:{self.http_port}/v1" if self.http_port > 0 else ""
 
     def metrics_addresses(self) -> list[str]:
-        """Every process's /metrics host:port: the Conductor's and each registered worker's."""
+        """Every process's /metrics host:port: the Conductor's, each registered worker's, the HTTP front's."""
         return [f"127.0.0.1:{self.metrics_port}",
-                *(w.metrics_address for w in self.workers().workers if w.metrics_address)]
+                *(w.metrics_address for w in self.workers().workers if w.metrics_address),
+                *([f"127.0.0.1:{self.http_port}"] if self.http_port > 0 else [])]
 
     def conductor_counter(self, name: str) -> float:
         """The Conductor's counter ``tidekv:NAME_total``, summed over its labels (0 when absent)."""
@@ -186,15 +188,18 @@ class LocalCluster:
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def _spawn(self, name: str, role: str, args: list[str], nice: int = 0) -> None:
+    def _spawn(self, name: str, role: str, args: list[str], nice: int = 0, member: bool = True) -> None:
         """Starts process ``name`` and hands it to the supervisor, which starts it again the
-        same way after a crash. Every start appends to its log, after a separator line."""
+        same way after a crash. Every start appends to its log, after a separator line. A
+        ``member`` gets the cluster secret's file; the HTTP front, which signs nothing, does not."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         # MALLOC_ARENA_MAX: glibc gives each of a worker's ~35 threads its own arena, and the
         # prefill worker's RSS then keeps growing with freed but unreturned memory (bench/soak.py).
         env = {"MALLOC_ARENA_MAX": "2", **os.environ, "TIDEKV_TORCH_THREADS": str(self.config.threads_per_process),
                "TIDEKV_CLUSTER_SECRET_FILE": str(self.secret_file), **self.config.env}
+        if not member:
+            env.pop("TIDEKV_CLUSTER_SECRET_FILE")
         cmd = [sys.executable, "-m", "deploy.cli", "serve", "--role", role, *args]
 
         def launch() -> subprocess.Popen:
@@ -241,8 +246,9 @@ class LocalCluster:
         try:
             self.wait_ready(timeout_s)
             if self.http_port > 0:
+                keys = ["--api-keys", c.api_keys] if c.api_keys else []
                 self._spawn("http", "http", ["--conductor", self.endpoint, "--port", str(self.http_port),
-                                             "--model", c.model, *self._tls_args(serves=False)])
+                                             "--model", c.model, *keys, *self._tls_args()], member=False)
                 self._wait_http(timeout_s)
         except BaseException:
             self.stop()
@@ -254,15 +260,17 @@ class LocalCluster:
         return self
 
     def _wait_http(self, timeout_s: float) -> None:
+        import ssl
         import urllib.request
 
+        context = ssl.create_default_context(cafile=self.tls.ca) if self.tls.ca else None
         until = time.monotonic() + timeout_s
         while time.monotonic() < until:
             if self.procs["http"].poll() is not None:
                 tail = (self.log_dir / "http.log").read_text()[-2000:]
                 raise RuntimeError(f"the HTTP front exited with {self.procs['http'].returncode}:\n{tail}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/health", timeout=2):
+                with urllib.request.urlopen(self.http_url.removesuffix("/v1") + "/health", timeout=2, context=context):
                     return
             except OSError:
                 time.sleep(0.2)
