@@ -66,6 +66,7 @@ class ClusterConfig:
     decode_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict, hash=False)
     http_port: int = -1  # the OpenAI HTTP front: -1 none, 0 a free port
+    http_args: tuple[str, ...] = ()  # more flags of the front (its limits: docs/api-http.md)
     # Restart a process that dies while the cluster runs (`tidekv up` turns it on). Off by default
     # (exits are still reported): tests and benches kill workers to watch the cluster fail over.
     supervise: bool = False
@@ -248,7 +249,8 @@ class LocalCluster:
             if self.http_port > 0:
                 keys = ["--api-keys", c.api_keys] if c.api_keys else []
                 self._spawn("http", "http", ["--conductor", self.endpoint, "--port", str(self.http_port),
-                                             "--model", c.model, *keys, *self._tls_args()], member=False)
+                                             "--model", c.model, *keys, *self._tls_args(), *c.http_args],
+                            member=False)
                 self._wait_http(timeout_s)
         except BaseException:
             self.stop()
