@@ -223,3 +223,25 @@ def test_the_front_holds_no_cluster_secret(keyed):
     for name in ("conductor", "prefill-0", "decode-0"):  # the members have it
         member = Path(f"/proc/{cluster.procs[name].pid}/environ").read_bytes()
         assert b"TIDEKV_CLUSTER_SECRET_FILE=" in member, name
+
+
+def test_slow_metrics_clients_are_bounded_and_timed_out(keyed, reference):
+    """300 slow clients on the Conductor's /metrics (runtime.metrics' server at its defaults):
+    a few are held, each until its deadline (408), the rest refused at once (503); then a
+    scrape answers again, and the cluster answered token-exact all along."""
+    cluster, key = keyed
+    from runtime.metrics import DEFAULT_LIMITS
+
+    t, failures = serve_meanwhile(cluster, key, reference, range(30, 33))
+    conns = slow_clients(("127.0.0.1", cluster.metrics_port), 300, b"GET /metrics HTTP/1.1\r\n", b"X",
+                         interval_s=0.5, max_s=DEFAULT_LIMITS.request_timeout_s + 30)
+    t.join()
+    assert not failures, failures
+    held = [c for c in conns if not c.refused_at_once]
+    assert 0 < len(held) <= DEFAULT_LIMITS.max_connections, len(held)
+    assert all(c.status == 503 for c in conns if c.refused_at_once)
+    assert all(c.closed and c.status == 408 for c in held), [(c.status, c.closed) for c in held]
+    print(f"300 slow /metrics clients: {len(held)} held until the deadline, {300 - len(held)} refused at once")
+    r = httpx.get(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=10)
+    assert r.status_code == 200 and "tidekv:requests_total" in r.text
+    exact(cluster, key, reference, 6)
