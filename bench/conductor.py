@@ -175,7 +175,7 @@ def stream(num_tokens: int, repeats: int) -> dict:
     from conductor.metrics import ConductorMetrics
     from conductor.validation import ValidRequest
     from engine.sampler import SamplingParams
-    from engine.tokenizer import ByteTokenizer
+    from engine.tokenizer import CharTokenizer
     from proto import inference_pb2 as pb
 
     keys = tuple(chain_keys(PROMPT, BLOCK, FINGERPRINT))
@@ -186,7 +186,7 @@ def stream(num_tokens: int, repeats: int) -> dict:
         pending.prefill_done(f"inflight-{i}", clock.now())
         pending.decode_started(f"inflight-{i}", clock.now())
     req = ValidRequest(PROMPT[:32], SamplingParams(max_new_tokens=1 << 20), 300.0, "")
-    out = ClientStream("inflight-0", req, ByteTokenizer(258), ConductorMetrics.disabled(), core.slos, clock)
+    out = ClientStream("inflight-0", req, CharTokenizer(259), ConductorMetrics.disabled(), core.slos, clock)
     wire = [ipb.DecodeResponse(token_ids=[40 + i % 80]).SerializeToString() for i in range(num_tokens)]
 
     def forward(i: int) -> None:  # lifecycle._forward -> _more, for one message

@@ -171,6 +171,14 @@ def _calibration_for_up(args: argparse.Namespace) -> str:
     return str(default_calibration_path(cache_dir, model.fingerprint, "cpu", threads))
 
 
+def _model_files_for_up(args: argparse.Namespace) -> str:
+    """The model's Hugging Face-style directory for peer tools (``engine.model_files``), written
+    for tiny into the same cache directory as the calibration."""
+    from engine.model_files import model_files_dir
+
+    return str(model_files_dir(args.model, args.data_dir or None))
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     if args.ray is None or args.calibration:
         args.calibration = _calibration_for_up(args)
@@ -194,6 +202,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     with cluster:
         http = f", OpenAI HTTP API {cluster.http_url}" if cluster.http_url else ""
         print(f"tidekv cluster ready: endpoint {cluster.endpoint}{http}", flush=True)
+        print(f"model files: {_model_files_for_up(args)} (tokenizer and config for peer tools, e.g. "
+              f"aiperf --tokenizer)", file=sys.stderr)
         print(f"metrics: {', '.join(cluster.metrics_addresses())}", file=sys.stderr)
         if not args.api_keys:
             print("WARNING: the public endpoint takes no API key and trusts each request's tenant "
