@@ -103,8 +103,12 @@ def _ray_config(args: argparse.Namespace):
     placements = {f"{role}_placement": Placement(args.ray_cpus, parse_resources(getattr(args, f"ray_{role}_resources")),
                                                  strategy)
                   for role, strategy in (("conductor", "PACK"), ("prefill", "PACK"), ("decode", "SPREAD"))}
-    return RayClusterConfig(conductor=conductor, prefill=prefill, decode=decode, num_prefill=args.prefill,
-                            num_decode=args.decode, namespace=args.namespace, **placements)
+    from openai_api.config import FrontConfig
+
+    http = FrontConfig(model=args.model, port=max(args.http_port, 0), api_keys=conductor.api_keys)
+    return RayClusterConfig(conductor=conductor, prefill=prefill, decode=decode, http=http, num_prefill=args.prefill,
+                            num_decode=args.decode, num_http=0 if args.http_port < 0 else 1, namespace=args.namespace,
+                            **placements)
 
 
 def _cmd_up_ray(args: argparse.Namespace) -> int:
@@ -124,7 +128,10 @@ def _cmd_up_ray(args: argparse.Namespace) -> int:
     cluster = RayCluster(config).start()
     try:
         print(format_reports(cluster.reports()), file=sys.stderr)
-        print(f"tidekv cluster ready: endpoint {cluster.endpoint}", flush=True)
+        http = f", OpenAI HTTP API {cluster.http_url}" if cluster.http_url else ""
+        print(f"tidekv cluster ready: endpoint {cluster.endpoint}{http}", flush=True)
+        print(f"model files: {_model_files_for_up(args)} (tokenizer and config for peer tools, e.g. "
+              f"aiperf --tokenizer)", file=sys.stderr)
         if args.demo:
             from deploy.demo import run_demo
 
