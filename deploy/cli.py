@@ -216,11 +216,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
             print("WARNING: the public endpoint takes no API key and trusts each request's tenant "
                   "(--insecure-no-auth); give --api-keys FILE to require keys", file=sys.stderr)
         if cluster.tls.ca:
-            print(f"TLS on every gRPC port; clients verify with --tls-ca {cluster.tls.ca}", file=sys.stderr)
+            print(f"TLS on every gRPC port, the HTTP front and the workers' /metrics; clients verify with "
+                  f"--tls-ca {cluster.tls.ca}", file=sys.stderr)
         if args.prometheus:
             from observe.prometheus import write_scrape_config
 
-            path = write_scrape_config(args.prometheus, cluster.metrics_addresses())
+            path = write_scrape_config(args.prometheus, cluster.metrics_addresses(), tls_ca=cluster.tls.ca)
             print(f"Prometheus scrape config for this cluster: {path} (prometheus --config.file {path})",
                   file=sys.stderr)
         if args.demo:
