@@ -60,6 +60,6 @@ WORKDIR /var/lib/tidekv
 USER 10001:10001
 # gRPC: conductor 50051, workers 50061; Prometheus /metrics: 9400. The transfer engine listens on
 # ephemeral ports.
-EXPOSE 50051 50061 9400
+EXPOSE 50051 50061 9400 8000
 ENTRYPOINT ["tidekv", "serve"]
 CMD ["--role", "conductor"]

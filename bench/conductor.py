@@ -38,6 +38,8 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from kvstore.index_memory import MemoryIndex
+
 from bench.common import summary
 from conductor.clock import ManualClock
 from conductor.cluster import Cluster
@@ -47,7 +49,6 @@ from conductor.routing import PolicyContext, RouteDecision, make_policy, policy_
 from costmodel.builtin import tiny_cpu_estimate
 from kvstore.blocks import Tier, chain_keys
 from kvstore.index import BlockEvent, GlobalIndex
-from kvstore.index_memory import MemoryIndex
 from proto import internal_pb2 as ipb
 from runtime.auth import CONDUCTOR, Member, worker_principal
 
@@ -175,7 +176,7 @@ def stream(num_tokens: int, repeats: int) -> dict:
     from conductor.metrics import ConductorMetrics
     from conductor.validation import ValidRequest
     from engine.sampler import SamplingParams
-    from engine.tokenizer import ByteTokenizer
+    from engine.tokenizer import CharTokenizer
     from proto import inference_pb2 as pb
 
     keys = tuple(chain_keys(PROMPT, BLOCK, FINGERPRINT))
@@ -186,7 +187,7 @@ def stream(num_tokens: int, repeats: int) -> dict:
         pending.prefill_done(f"inflight-{i}", clock.now())
         pending.decode_started(f"inflight-{i}", clock.now())
     req = ValidRequest(PROMPT[:32], SamplingParams(max_new_tokens=1 << 20), 300.0, "")
-    out = ClientStream("inflight-0", req, ByteTokenizer(258), ConductorMetrics.disabled(), core.slos, clock)
+    out = ClientStream("inflight-0", req, CharTokenizer(259), ConductorMetrics.disabled(), core.slos, clock)
     wire = [ipb.DecodeResponse(token_ids=[40 + i % 80]).SerializeToString() for i in range(num_tokens)]
 
     def forward(i: int) -> None:  # lifecycle._forward -> _more, for one message

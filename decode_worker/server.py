@@ -113,7 +113,8 @@ class DecodeWorker(WorkerServiceBase):
     def _start(self) -> None:
         cfg = self.config
         ident = Identity(self.worker_id, "decode", cfg.model)
-        self.metrics = start_metrics(cfg.host, cfg.metrics_port, identity=ident, advertise_host=cfg.advertised_host)
+        self.metrics = start_metrics(cfg.host, cfg.metrics_port, identity=ident, advertise_host=cfg.advertised_host,
+                                     tls=cfg.tls)
         self._closing.callback(self.metrics.stop)
         model = engine.load_model(cfg.model, device=cfg.device)
         self._scheduler = scheduler = DecodeScheduler(model, cfg.num_pages, cfg.num_slots, cfg.block_size,

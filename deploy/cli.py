@@ -71,7 +71,7 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     elif args.role == "prefill":
         from prefill_worker.server import serve
     elif args.role == "http":
-        from openai_api.server import serve
+        from openai_api.service import serve
     else:
         from decode_worker.server import serve
     serve(rest)
@@ -103,8 +103,12 @@ def _ray_config(args: argparse.Namespace):
     placements = {f"{role}_placement": Placement(args.ray_cpus, parse_resources(getattr(args, f"ray_{role}_resources")),
                                                  strategy)
                   for role, strategy in (("conductor", "PACK"), ("prefill", "PACK"), ("decode", "SPREAD"))}
-    return RayClusterConfig(conductor=conductor, prefill=prefill, decode=decode, num_prefill=args.prefill,
-                            num_decode=args.decode, namespace=args.namespace, **placements)
+    from openai_api.config import FrontConfig
+
+    http = FrontConfig(model=args.model, port=max(args.http_port, 0), api_keys=conductor.api_keys)
+    return RayClusterConfig(conductor=conductor, prefill=prefill, decode=decode, http=http, num_prefill=args.prefill,
+                            num_decode=args.decode, num_http=0 if args.http_port < 0 else 1, namespace=args.namespace,
+                            **placements)
 
 
 def _cmd_up_ray(args: argparse.Namespace) -> int:
@@ -124,7 +128,10 @@ def _cmd_up_ray(args: argparse.Namespace) -> int:
     cluster = RayCluster(config).start()
     try:
         print(format_reports(cluster.reports()), file=sys.stderr)
-        print(f"tidekv cluster ready: endpoint {cluster.endpoint}", flush=True)
+        http = f", OpenAI HTTP API {cluster.http_url}" if cluster.http_url else ""
+        print(f"tidekv cluster ready: endpoint {cluster.endpoint}{http}", flush=True)
+        print(f"model files: {_model_files_for_up(args)} (tokenizer and config for peer tools, e.g. "
+              f"aiperf --tokenizer)", file=sys.stderr)
         if args.demo:
             from deploy.demo import run_demo
 
@@ -171,6 +178,14 @@ def _calibration_for_up(args: argparse.Namespace) -> str:
     return str(default_calibration_path(cache_dir, model.fingerprint, "cpu", threads))
 
 
+def _model_files_for_up(args: argparse.Namespace) -> str:
+    """The model's Hugging Face-style directory for peer tools (``engine.model_files``), written
+    for tiny into the same cache directory as the calibration."""
+    from engine.model_files import model_files_dir
+
+    return str(model_files_dir(args.model, args.data_dir or None))
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     if args.ray is None or args.calibration:
         args.calibration = _calibration_for_up(args)
@@ -200,16 +215,19 @@ def _cmd_up(args: argparse.Namespace) -> int:
     with cluster:
         http = f", OpenAI HTTP API {cluster.http_url}" if cluster.http_url else ""
         print(f"tidekv cluster ready: endpoint {cluster.endpoints}{http}", flush=True)
+        print(f"model files: {_model_files_for_up(args)} (tokenizer and config for peer tools, e.g. "
+              f"aiperf --tokenizer)", file=sys.stderr)
         print(f"metrics: {', '.join(cluster.metrics_addresses())}", file=sys.stderr)
         if not args.api_keys:
             print("WARNING: the public endpoint takes no API key and trusts each request's tenant "
                   "(--insecure-no-auth); give --api-keys FILE to require keys", file=sys.stderr)
         if cluster.tls.ca:
-            print(f"TLS on every gRPC port; clients verify with --tls-ca {cluster.tls.ca}", file=sys.stderr)
+            print(f"TLS on every gRPC port, the HTTP front and the workers' /metrics; clients verify with "
+                  f"--tls-ca {cluster.tls.ca}", file=sys.stderr)
         if args.prometheus:
             from observe.prometheus import write_scrape_config
 
-            path = write_scrape_config(args.prometheus, cluster.metrics_addresses())
+            path = write_scrape_config(args.prometheus, cluster.metrics_addresses(), tls_ca=cluster.tls.ca)
             print(f"Prometheus scrape config for this cluster: {path} (prometheus --config.file {path})",
                   file=sys.stderr)
         if args.demo:

@@ -75,6 +75,7 @@ class ClusterConfig:
     http_port: int = -1  # the OpenAI HTTP front: -1 none, 0 a free port
     num_conductors: int = 1  # > 1: replicas over one shared state (a store: index, or one started here)
     index_password_file: str = ""  # the store's password, for an index given here
+    http_args: tuple[str, ...] = ()  # more flags of the front (its limits: docs/api-http.md)
     # Restart a process that dies while the cluster runs (`tidekv up` turns it on). Off by default
     # (exits are still reported): tests and benches kill workers to watch the cluster fail over.
     supervise: bool = False
@@ -186,12 +187,14 @@ class LocalCluster:
     @property
     def http_url(self) -> str:
         """The OpenAI HTTP front's base URL ("" without one)."""
-        return f"http://127.0.0.1:{self.http_port}/v1" if self.http_port > 0 else ""
+        scheme = "https" if self.tls.ca else "http"
+        return f"{scheme}://127.0.0.1:{self.http_port}/v1" if self.http_port > 0 else ""
 
     def metrics_addresses(self) -> list[str]:
-        """Every process's /metrics host:port: the Conductors' and each registered worker's."""
+        """Every process's /metrics host:port: the Conductors', each registered worker's, the HTTP front's."""
         return [*(f"127.0.0.1:{p}" for p in self.metrics_ports),
-                *(w.metrics_address for w in self.workers().workers if w.metrics_address)]
+                *(w.metrics_address for w in self.workers().workers if w.metrics_address),
+                *([f"127.0.0.1:{self.http_port}"] if self.http_port > 0 else [])]
 
     def conductor_counter(self, name: str) -> float:
         """The Conductors' counter ``tidekv:NAME_total``, summed over its labels and the
@@ -220,15 +223,18 @@ class LocalCluster:
     def conductor_name(i: int) -> str:
         return "conductor" if i == 0 else f"conductor-{i}"
 
-    def _spawn(self, name: str, role: str, args: list[str], nice: int = 0) -> None:
+    def _spawn(self, name: str, role: str, args: list[str], nice: int = 0, member: bool = True) -> None:
         """Starts process ``name`` and hands it to the supervisor, which starts it again the
-        same way after a crash. Every start appends to its log, after a separator line."""
+        same way after a crash. Every start appends to its log, after a separator line. A
+        ``member`` gets the cluster secret's file; the HTTP front, which signs nothing, does not."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         # MALLOC_ARENA_MAX: glibc gives each of a worker's ~35 threads its own arena, and the
         # prefill worker's RSS then keeps growing with freed but unreturned memory (bench/soak.py).
         env = {"MALLOC_ARENA_MAX": "2", **os.environ, "TIDEKV_TORCH_THREADS": str(self.config.threads_per_process),
                "TIDEKV_CLUSTER_SECRET_FILE": str(self.secret_file), **self.config.env}
+        if not member:
+            env.pop("TIDEKV_CLUSTER_SECRET_FILE")
         cmd = [sys.executable, "-m", "deploy.cli", "serve", "--role", role, *args]
 
         def launch() -> subprocess.Popen:
@@ -280,8 +286,10 @@ class LocalCluster:
         try:
             self.wait_ready(timeout_s)
             if self.http_port > 0:
+                keys = ["--api-keys", c.api_keys] if c.api_keys else []
                 self._spawn("http", "http", ["--conductor", self.endpoints, "--port", str(self.http_port),
-                                             "--model", c.model, *self._tls_args(serves=False)])
+                                             "--model", c.model, *keys, *self._tls_args(), *c.http_args],
+                            member=False)
                 self._wait_http(timeout_s)
         except BaseException:
             self.stop()
@@ -293,15 +301,17 @@ class LocalCluster:
         return self
 
     def _wait_http(self, timeout_s: float) -> None:
+        import ssl
         import urllib.request
 
+        context = ssl.create_default_context(cafile=self.tls.ca) if self.tls.ca else None
         until = time.monotonic() + timeout_s
         while time.monotonic() < until:
             if self.procs["http"].poll() is not None:
                 tail = (self.log_dir / "http.log").read_text()[-2000:]
                 raise RuntimeError(f"the HTTP front exited with {self.procs['http'].returncode}:\n{tail}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/health", timeout=2):
+                with urllib.request.urlopen(self.http_url.removesuffix("/v1") + "/health", timeout=2, context=context):
                     return
             except OSError:
                 time.sleep(0.2)

@@ -5,6 +5,7 @@ What runs where (names in the Ray namespace ``config.namespace``, "tidekv" by de
     conductor            detached actor: the Conductor service, public gRPC endpoint + registry
     prefill-K-I          detached actor in bundle I of placement group "<ns>-prefill-gK" (PACK)
     decode-K-I           detached actor in bundle I of placement group "<ns>-decode-gK" (SPREAD)
+    http                 detached actor: the OpenAI HTTP front (``openai_api``), unless num_http is 0
 
 Each actor is a ``RoleActor``: it builds its role's service (``build(config)``, see
 ``runtime.service``) and starts it in ``__init__``, so a restart by Ray (``max_restarts``)
@@ -20,8 +21,9 @@ Conductor has dropped the worker, and remove each group left empty. The launcher
 state of its own: ``RayCluster.attach`` (``tidekv scale``) rebuilds it from the named actors and
 placement groups, and the cluster config is kept by the Conductor actor.
 
-Every actor gets the cluster secret (``runtime.auth``) as an argument and writes it to a file
-of its own (mode 0600) for its service: the one in the Conductor config's
+Every actor but the HTTP front (which signs nothing: it calls the Conductor's public endpoint
+with its clients' API keys) gets the cluster secret (``runtime.auth``) as an argument and
+writes it to a file of its own (mode 0600) for its service: the one in the Conductor config's
 ``cluster_secret_file`` when the driver has it, else a new one; the Conductor actor keeps it
 for later scale-ups. Ray's own channels carry it, so whoever may drive the Ray cluster holds
 it, as they can already run code in every actor.
@@ -47,14 +49,17 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from conductor.config import ConductorConfig
 from decode_worker.config import DecodeConfig
+from openai_api.config import FrontConfig
 from prefill_worker.config import PrefillConfig
 from runtime.auth import load_secret, new_secret
 from runtime.settings import setup_torch
 
 NAMESPACE = "tidekv"
 CONDUCTOR = "conductor"
+HTTP = "http"
 POOLS = ("prefill", "decode")
-BUILDERS = {"conductor": "conductor.server", "prefill": "prefill_worker.server", "decode": "decode_worker.server"}
+BUILDERS = {"conductor": "conductor.server", "prefill": "prefill_worker.server", "decode": "decode_worker.server",
+            "http": "openai_api.service"}
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 WILDCARDS = ("0.0.0.0", "::", "")
 Resources = tuple[tuple[str, float], ...]
@@ -100,20 +105,24 @@ class RayClusterConfig:
     conductor: ConductorConfig = ConductorConfig()
     prefill: PrefillConfig = PrefillConfig()
     decode: DecodeConfig = DecodeConfig()
+    http: FrontConfig = FrontConfig()  # conductor "": the Conductor actor's address
     num_prefill: int = 1
     num_decode: int = 1
+    num_http: int = 1  # 0: no HTTP front
     namespace: str = NAMESPACE
     conductor_placement: Placement = Placement(resources=(("tidekv_conductor", 1.0),))
     prefill_placement: Placement = Placement(resources=(("tidekv_prefill", 1.0),), strategy="PACK")
     decode_placement: Placement = Placement(resources=(("tidekv_decode", 1.0),), strategy="SPREAD")
+    http_placement: Placement = Placement()  # anywhere: it holds no model weights
     max_restarts: int = 3  # per actor; -1: without limit
     ready_timeout_s: float = 180.0
     placement_timeout_s: float = 30.0
     extra: dict[str, Any] = field(default_factory=dict, hash=False)  # more actor options (runtime_env, ...)
 
     def __post_init__(self) -> None:
-        if self.num_prefill < 0 or self.num_decode < 0:
-            raise ValueError(f"num_prefill {self.num_prefill} and num_decode {self.num_decode} must be >= 0")
+        if self.num_prefill < 0 or self.num_decode < 0 or self.num_http not in (0, 1):
+            raise ValueError(f"num_prefill {self.num_prefill} and num_decode {self.num_decode} must be >= 0, "
+                             f"num_http {self.num_http} 0 or 1")
 
     def role_config(self, role: str) -> Any:
         return getattr(self, role)
@@ -144,7 +153,12 @@ def _placed(role: str, config: Any, node_ip: str, namespace: str) -> Any:
     changes: dict[str, Any] = {}
     if config.host == "127.0.0.1":
         changes["host"] = node_ip
-    if role != CONDUCTOR:
+    if role == HTTP:
+        changes["advertise_host"] = config.advertise_host or node_ip
+        if not config.conductor:
+            conductor = ray.get_actor(CONDUCTOR, namespace=namespace)
+            changes["conductor"] = ray.get(conductor.address.remote(), timeout=60)
+    elif role != CONDUCTOR:
         changes["advertise_host"] = config.advertise_host or node_ip
         if not config.conductor:
             conductor = ray.get_actor(CONDUCTOR, namespace=namespace)
@@ -164,11 +178,13 @@ class RoleActor:
         setup_torch(getattr(config, "threads", 0) or 1)
         self.role, self.cluster, self._secret = role, cluster, secret
         self.node_ip = ray.util.get_node_ip_address()
-        self._secret_dir = tempfile.mkdtemp(prefix="tidekv-secret-")
-        secret_file = os.path.join(self._secret_dir, "cluster.secret")
-        with os.fdopen(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
-            f.write(secret)
-        config = dataclasses.replace(config, cluster_secret_file=secret_file)
+        self._secret_dir = ""
+        if role != HTTP:  # the front signs nothing: it gets no secret (and is given "")
+            self._secret_dir = tempfile.mkdtemp(prefix="tidekv-secret-")
+            secret_file = os.path.join(self._secret_dir, "cluster.secret")
+            with os.fdopen(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+                f.write(secret)
+            config = dataclasses.replace(config, cluster_secret_file=secret_file)
         self.config = _placed(role, config, self.node_ip, namespace)
         self.service = importlib.import_module(BUILDERS[role]).build(self.config)
         self.service.start()
@@ -208,7 +224,8 @@ class RoleActor:
 
     def stop(self) -> None:
         self.service.stop()
-        shutil.rmtree(self._secret_dir, ignore_errors=True)
+        if self._secret_dir:
+            shutil.rmtree(self._secret_dir, ignore_errors=True)
 
 
 @functools.cache
@@ -229,6 +246,7 @@ class RayCluster:
         self.config = config
         self.ns = config.namespace
         self.endpoint = ""
+        self.http_url = ""  # the HTTP front's OpenAI base URL, "" without one
         self._cluster_secret = ""
 
     def _secret(self) -> str:
@@ -252,6 +270,9 @@ class RayCluster:
                              f"`tidekv up --ray`") from None
         cluster = cls(ray.get(conductor.cluster_config.remote(), timeout=60))
         cluster.endpoint = ray.get(conductor.address.remote(), timeout=60)
+        if HTTP in cluster._names():
+            front = ray.get(ray.get_actor(HTTP, namespace=namespace).address.remote(), timeout=60)
+            cluster.http_url = f"{'https' if cluster.config.http.tls.serves else 'http'}://{front}/v1"
         return cluster
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -268,15 +289,21 @@ class RayCluster:
             self.endpoint = ray.get(handle.address.remote())
             self.scale("prefill", c.num_prefill)
             self.scale("decode", c.num_decode)
+            if c.num_http:
+                front = self._actor(HTTP, HTTP, c.http, None, None)
+                self._wait_ready({HTTP: front}, registered=False)
+                self.http_url = f"{'https' if c.http.tls.serves else 'http'}://{ray.get(front.address.remote())}/v1"
         except BaseException:
             self.stop(grace_s=0)
             raise
         return self
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """Drains front to back (the Conductor, so its in-flight requests finish on live workers;
-        then every worker), kills the actors and removes the placement groups."""
+        """Drains front to back (the HTTP front, then the Conductor, so its in-flight requests
+        finish on live workers; then every worker), kills the actors and removes the placement groups."""
         names = self._names()
+        if HTTP in names:
+            self._retire({HTTP: ray.get_actor(HTTP, namespace=self.ns)}, grace_s)
         if CONDUCTOR in names:
             self._retire({CONDUCTOR: ray.get_actor(CONDUCTOR, namespace=self.ns)}, grace_s)
         for role in POOLS:
@@ -340,9 +367,10 @@ class RayCluster:
             **c.extra)
         if pg is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
-        if role != CONDUCTOR and not config.worker_id:
+        if role in POOLS and not config.worker_id:
             config = dataclasses.replace(config, worker_id=name)
-        return _remote_role().options(**options).remote(role, config, self.ns, self._secret(), cluster)
+        secret = "" if role == HTTP else self._secret()
+        return _remote_role().options(**options).remote(role, config, self.ns, secret, cluster)
 
     def _retire(self, actors: dict[str, Any], grace_s: float) -> None:
         """Drain (in parallel), stop and kill ``actors``; one that is already gone is skipped."""
@@ -358,7 +386,8 @@ class RayCluster:
     # ---- state and readiness ------------------------------------------------------------------
     def reports(self) -> list[ActorReport]:
         """Where every actor runs and what it serves; an actor that does not answer is left out."""
-        actors = {CONDUCTOR: ray.get_actor(CONDUCTOR, namespace=self.ns)} if CONDUCTOR in self._names() else {}
+        names = self._names()
+        actors = {n: ray.get_actor(n, namespace=self.ns) for n in (CONDUCTOR, HTTP) if n in names}
         for role in POOLS:
             actors |= self._pool(role)
         out = []
@@ -367,7 +396,7 @@ class RayCluster:
                 out.append(ray.get(actor.report.remote(), timeout=10))
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 continue
-        order = (CONDUCTOR, *POOLS)
+        order = (CONDUCTOR, *POOLS, HTTP)
         return sorted(out, key=lambda r: (order.index(r.role), _slot(r.name) if r.role in POOLS else (0, 0)))
 
     def registered(self) -> set[str]:
@@ -417,7 +446,8 @@ class RayCluster:
 
 def format_reports(reports: list[ActorReport]) -> str:
     """One line per actor: name, node, pid, addresses, readiness."""
-    return "\n".join(f"{r.name:<14} node {r.node_ip} ({r.node_id[:8]}) pid {r.pid:<7} grpc {r.address}"
+    return "\n".join(f"{r.name:<14} node {r.node_ip} ({r.node_id[:8]}) pid {r.pid:<7} "
+                     f"{'http' if r.role == HTTP else 'grpc'} {r.address}"
                      f"{' transfer ' + r.transfer_address if r.transfer_address else ''}"
                      f"{'' if r.ready else ' NOT READY'}" for r in reports)
 

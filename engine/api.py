@@ -20,7 +20,7 @@ from engine.checkpoint import CheckpointError, load_tensors, seeded_tensors
 from engine.config import BUILTIN_CONFIGS, TINY_SEED, ModelConfig
 from engine.model import HybridModel
 from engine.sampler import SamplingParams, sample
-from engine.tokenizer import ByteTokenizer, HFTokenizer
+from engine.tokenizer import CharTokenizer, HFTokenizer
 
 DEFAULT_BLOCK_SIZE = 32
 
@@ -40,7 +40,7 @@ def load_model(path_or_name: str, device: str = "cpu", dtype: torch.dtype = torc
         cfg = BUILTIN_CONFIGS[path_or_name]()
         tensors = seeded_tensors(cfg, TINY_SEED)
         fingerprint = _fingerprint(cfg, tensors, extra=f"tiny-seed-{TINY_SEED}")
-        tokenizer = ByteTokenizer(cfg.vocab_size)
+        tokenizer = CharTokenizer(cfg.vocab_size)
     else:
         cfg = load_config(path_or_name)
         tensors = load_tensors(Path(path_or_name), cfg)
@@ -62,12 +62,12 @@ def load_config(path_or_name: str) -> ModelConfig:
     return ModelConfig.from_file(path)
 
 
-def load_tokenizer(path_or_name: str) -> ByteTokenizer | HFTokenizer:
+def load_tokenizer(path_or_name: str) -> CharTokenizer | HFTokenizer:
     cfg = load_config(path_or_name)
     tok_path = Path(path_or_name) / "tokenizer.json"
     if path_or_name not in BUILTIN_CONFIGS and tok_path.exists():
         return HFTokenizer(tok_path, cfg.eos_token_id)
-    return ByteTokenizer(cfg.vocab_size)
+    return CharTokenizer(cfg.vocab_size)
 
 
 def _fingerprint(cfg: ModelConfig, tensors: dict[str, torch.Tensor], extra: str = "") -> str:

@@ -1,6 +1,7 @@
-"""The three Tidekv dashboards, as code: overview (requests, latencies, goodput, cache),
-KV cache (tiers, hits, moves, transfers) and scheduler (routing, prediction error, queues,
-prefill and decode workers). ``deploy/grafana/*.json`` is their output, checked in:
+"""The Tidekv dashboards, as code: overview (requests, latencies, goodput, cache), KV cache
+(tiers, hits, moves, transfers), scheduler (routing, prediction error, queues, prefill and
+decode workers) and the HTTP front (requests by route and status, latency, bytes,
+connections). ``deploy/grafana/*.json`` is their output, checked in:
 
     python -m observe.dashboards deploy/grafana     # rewrite the JSON after changing this file
 
@@ -42,7 +43,10 @@ def overview() -> Dashboard:
            stacked=True),
         ts("Rejections and failures by reason",
            Target(rate("tidekv:requests_total", "outcome, reason", 'outcome=~"rejected|failed"'),
-                  "{{outcome}}: {{reason}}"), unit="reqps"),
+                  "{{outcome}}: {{reason}}"),
+           Target(rate("tidekv:http_requests_total", "status", 'status=~"4..|5.."'), "HTTP front: {{status}}"),
+           unit="reqps", description="the Conductor's refusals by reason; the HTTP front's own error answers by "
+                                     "status (a request the front refuses never reaches the Conductor)"),
         ts("Time to first token", *(Target(f"max(tidekv:time_to_first_token_seconds:p{q}_1m)", f"p{q}")
                                     for q in (50, 90, 99)), unit="s"),
         ts("Inter-token latency", *(Target(f"max(tidekv:inter_token_latency_seconds:p{q}_1m)", f"p{q}")
@@ -144,7 +148,30 @@ def scheduler() -> Dashboard:
     ))
 
 
-DASHBOARDS = {"overview": overview, "kv-cache": kv_cache, "scheduler": scheduler}
+def http_front() -> Dashboard:
+    errors = 'status=~"4..|5.."'
+    return Dashboard("tidekv-http", "Tidekv / HTTP front", "The OpenAI-compatible HTTP fronts: requests by route "
+                     "and status, latency, bytes, connections and what their limits refused", (
+        stat("HTTP request rate", rate("tidekv:http_requests_total"), unit="reqps"),
+        stat("HTTP error share", f"{rate('tidekv:http_requests_total', selector=errors)} / "
+             f"{rate('tidekv:http_requests_total')}", unit="percentunit"),
+        stat("Open connections", "sum(tidekv:http_open_connections)"),
+        ts("HTTP requests by status", Target(rate("tidekv:http_requests_total", "status"), "{{status}}"),
+           unit="reqps", stacked=True),
+        ts("HTTP requests by route", Target(rate("tidekv:http_requests_total", "route"), "{{route}}"),
+           unit="reqps", stacked=True),
+        ts("HTTP request latency by route", *(Target(f"max by (route) (tidekv:http_request_duration_seconds:p{q}_1m)",
+                                                     f"{{{{route}}}} p{q}") for q in (50, 99)), unit="s",
+           description="headers received to the last response byte (a stream: its end)"),
+        ts("HTTP body bytes", Target(rate("tidekv:http_request_bytes_total"), "received"),
+           Target(rate("tidekv:http_response_bytes_total"), "sent"), unit="Bps"),
+        ts("Connections refused by the front's limits",
+           Target(rate("tidekv:http_connections_refused_total", "reason"), "{{reason}}"), unit="ops",
+           description="max_connections: over the connection cap (503); header_timeout: headers too slow (408)"),
+    ))
+
+
+DASHBOARDS = {"overview": overview, "kv-cache": kv_cache, "scheduler": scheduler, "http": http_front}
 
 
 def build_all() -> dict[str, dict[str, Any]]:

@@ -35,8 +35,9 @@ def _yaml_str(text: str) -> str:
 
 
 def scrape_config(addresses: Sequence[str], interval_s: float = 5.0, rule_files: Sequence[str | Path] = (RULES_PATH,),
-                  evaluation_interval_s: float | None = None) -> str:
-    """prometheus.yml text scraping ``addresses`` (``host:port`` of /metrics endpoints)."""
+                  evaluation_interval_s: float | None = None, tls_ca: str = "") -> str:
+    """prometheus.yml text scraping ``addresses`` (``host:port`` of /metrics endpoints; over
+    HTTPS verified against ``tls_ca`` when given: a cluster started with TLS)."""
     if not addresses:
         raise ValueError("scrape_config needs at least one metrics address")
     bad = [a for a in addresses if "://" in a or ":" not in a]
@@ -48,17 +49,20 @@ def scrape_config(addresses: Sequence[str], interval_s: float = 5.0, rule_files:
              f"  evaluation_interval: {evaluation_interval_s or interval_s:g}s"]
     if rule_files:
         lines += ["rule_files:", *(f"  - {_yaml_str(str(p))}" for p in rule_files)]
-    lines += ["scrape_configs:", f"  - job_name: {JOB}", "    metrics_path: /metrics", "    static_configs:",
+    lines += ["scrape_configs:", f"  - job_name: {JOB}", "    metrics_path: /metrics"]
+    if tls_ca:
+        lines += ["    scheme: https", "    tls_config:", f"      ca_file: {_yaml_str(str(tls_ca))}"]
+    lines += ["    static_configs:",
               "      - targets:", *(f"          - {_yaml_str(a)}" for a in addresses)]
     return "\n".join(lines) + "\n"
 
 
 def write_scrape_config(path: str | Path, addresses: Sequence[str], interval_s: float = 5.0,
-                        rule_files: Sequence[str | Path] = (RULES_PATH,)) -> Path:
+                        rule_files: Sequence[str | Path] = (RULES_PATH,), tls_ca: str = "") -> Path:
     """Write ``scrape_config(addresses, ...)`` to ``path`` (parents created); returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(scrape_config(addresses, interval_s, rule_files))
+    path.write_text(scrape_config(addresses, interval_s, rule_files, tls_ca=tls_ca))
     return path
 
 

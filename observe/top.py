@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import ssl
 import sys
 import time
 import urllib.request
@@ -28,10 +29,13 @@ Sample = tuple[str, tuple[tuple[str, str], ...], float]  # name, sorted labels, 
 CLEAR = "\x1b[H\x1b[2J"
 
 
-def scrape(address: str, timeout_s: float = 5.0) -> list[Sample]:
-    """Samples of one ``/metrics`` endpoint (``host:port``); [] when it does not answer."""
+def scrape(address: str, timeout_s: float = 5.0, tls_ca: str = "") -> list[Sample]:
+    """Samples of one ``/metrics`` endpoint (``host:port``; HTTPS verified against ``tls_ca``
+    when given); [] when it does not answer."""
+    context = ssl.create_default_context(cafile=tls_ca) if tls_ca else None
     try:
-        with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout_s) as resp:
+        with urllib.request.urlopen(f"{'https' if tls_ca else 'http'}://{address}/metrics", timeout=timeout_s,
+                                    context=context) as resp:
             text = resp.read().decode()
     except OSError:
         return []

@@ -2,7 +2,7 @@
 
 import sys
 
-from openai_api.server import serve
+from openai_api.service import serve
 
 if __name__ == "__main__":
     serve(sys.argv[1:])

@@ -25,12 +25,11 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from engine.model_files import TINY_CHAT_TEMPLATE
+
 log = logging.getLogger(__name__)
 
-TINY_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
+TINY_TEMPLATE = TINY_CHAT_TEMPLATE  # the built-in model's, also in its tokenizer_config.json (engine.model_files)
 
 
 class TemplateRaised(Exception):

@@ -8,7 +8,7 @@ the app's exception handler. ``from_rpc`` maps a refused ``Generate`` call:
     UNAUTHENTICATED     401  (API keys: the Conductor's decision, conductor.apikeys)
     PERMISSION_DENIED   403
     RESOURCE_EXHAUSTED  429  Retry-After from trailing metadata ``retry-after-s``
-                        503  when the reason is that no workers are registered yet
+                        413  when gRPC refused the message's size (the Conductor's --max-request-bytes)
     UNAVAILABLE         503  (Conductor unreachable, no worker could take the request)
     DEADLINE_EXCEEDED   504
     anything else       500
@@ -76,6 +76,9 @@ def from_rpc(code: grpc.StatusCode, details: str, trailing: object, names: Mappi
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         message, param = rename_field(details, names)
         return invalid(param, message)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
+        return ApiError(413, f"the request is larger than the Conductor accepts: {details}",
+                        code="request_too_large")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         headers = {"Retry-After": str(retry_after_s(trailing))}
         return ApiError(429, details, "rate_limit_error", code="rate_limit_exceeded", headers=headers)

@@ -1,59 +1,70 @@
-"""The HTTP front's Starlette app (``build_app``) and process entry (``serve``), on uvicorn + uvloop.
+"""The HTTP front's Starlette app (``build_app``): routes, the shared gRPC channel, error rendering.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE), ``GET
 /v1/models``, ``GET /health`` (this process is up), ``GET /ready`` (the Conductor's gRPC
-health says SERVING). Every request is one gRPC ``Generate`` call on one shared ``grpc.aio``
-channel, opened in the app's lifespan (it belongs to the event loop). A client that goes away
-cancels that call: for a stream through ``_Stream``, for a whole response through
-``_unless_disconnected``, which watches the ASGI ``http.disconnect`` while the answer is made.
-Errors are rendered once, in OpenAI's shape, by the exception handlers at the bottom.
+health says SERVING), ``GET /metrics`` (the front's own Prometheus metrics). Every request is
+one gRPC ``Generate`` call on one shared ``grpc.aio`` channel, opened in the app's lifespan
+(it belongs to the event loop). A POST is taken in this order, each step refusing before the
+next costs anything: the API key (``keys``, from the headers), the body's size and arrival
+time (``body.read_body``), its JSON nesting and fields (``body.parse_json``, ``protocol``;
+a body over ``OFFLOAD_BYTES`` is parsed on a worker thread so the event loop keeps serving).
+A client that goes away cancels the call: for a stream through ``_Stream``, for a whole
+response through ``_unless_disconnected``, which watches the ASGI ``http.disconnect`` while
+the answer is made. Errors are rendered once, in OpenAI's shape, by the exception handlers at
+the bottom. The process around the app (uvicorn, limits, TLS) is ``openai_api.service``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
-import socket
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
 import grpc
-import uvicorn
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 import engine
+from openai_api.body import BodyLimits, Disconnected, parse_json, read_body
 from openai_api.chat_template import load_chat_template
-from openai_api.config import FrontConfig, config_from_args
-from openai_api.errors import ApiError, invalid
-from openai_api.generation import Generation
+from openai_api.config import FrontConfig
+from openai_api.errors import ApiError
+from openai_api.generation import Conductors, Generation
+from openai_api.keys import FrontKeys, Metadata
+from openai_api.metrics import CLIENT_GONE, FrontMetrics, MetricsMiddleware
 from openai_api.protocol import GenerationParams, RequestContext, parse_chat, parse_completion
 from openai_api.render import DONE, Shape, error_event
-from proto import inference_pb2_grpc as pgrpc
+from runtime.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20  # as every Tidekv gRPC channel
 HEALTH_SERVICE = "tidekv.v1.Inference"
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,48}")  # what the Conductor accepts as a request_id
+OFFLOAD_BYTES = 64 << 10  # bodies above this are parsed (JSON, chat template, tokenizer) on a thread
 T = TypeVar("T")
 
 
 class Front:
-    """What the handlers share: the config, the model's tokenizer and chat template, the channel."""
+    """What the handlers share: the config, the model's tokenizer and chat template, the keys,
+    the limits, the metrics and the channel."""
 
-    def __init__(self, config: FrontConfig):
+    def __init__(self, config: FrontConfig, metrics: FrontMetrics):
         self.config = config
+        self.metrics = metrics
         cfg = engine.load_config(config.model)
         self.tokenizer = engine.load_tokenizer(config.model)
         self.template = load_chat_template(config.model, config.chat_template)
@@ -61,37 +72,33 @@ class Front:
         self.ctx = RequestContext(served_model_name=config.model_name, eos_token_id=self.tokenizer.eos_token_id,
                                   max_model_len=cfg.max_seq_len, default_max_tokens=config.default_max_tokens,
                                   default_chat_max_tokens=config.default_chat_max_tokens)
-        self.channel: grpc.aio.Channel | None = None
-        self.inference: pgrpc.InferenceStub | None = None
-        self.health: health_pb2_grpc.HealthStub | None = None
+        self.keys = FrontKeys(config.api_keys)
+        self.limits = BodyLimits(config.max_body_bytes, config.max_json_depth, config.body_timeout_s)
+        self.conductors: Conductors | None = None
 
     async def open(self) -> None:
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        creds = None
         if self.config.tls_ca:
             creds = grpc.ssl_channel_credentials(root_certificates=Path(self.config.tls_ca).read_bytes())
-            self.channel = grpc.aio.secure_channel(self.config.conductor, creds, options=options)
-        else:
-            self.channel = grpc.aio.insecure_channel(self.config.conductor, options=options)
-        self.inference = pgrpc.InferenceStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
+        channels = [grpc.aio.secure_channel(a, creds, options=options) if creds is not None
+                    else grpc.aio.insecure_channel(a, options=options) for a in self.config.conductors]
+        self.conductors = Conductors(self.config.conductors, channels, self.metrics)
 
     async def close(self) -> None:
-        if self.channel is not None:
-            await self.channel.close(grace=None)
+        if self.conductors is not None:
+            await self.conductors.close()
 
+    async def params(self, request: Request, parse: Callable[[object], GenerationParams]) -> GenerationParams:
+        """The request's body, read within the limits and parsed by ``parse`` (the endpoint's
+        fields); ApiError for a refusal, Disconnected when the client left."""
+        body = await read_body(request, self.limits)
 
-def credentials(request: Request) -> tuple[tuple[str, str], ...]:
-    """gRPC metadata carrying the caller's credentials to the Conductor.
+        def parsed() -> GenerationParams:
+            return parse(parse_json(body, self.limits))
 
-    API keys are checked in one place, the Conductor, for gRPC and HTTP alike: the front
-    forwards ``Authorization: Bearer ...`` and answers the Conductor's UNAUTHENTICATED with a
-    401. A check in the front itself (raise ``ApiError(401, ...)``) would slot in here."""
-    auth = request.headers.get("authorization", "")
-    if auth and not (auth.isascii() and auth.isprintable()):
-        raise ApiError(401, "the Authorization header must be printable ASCII", "authentication_error",
-                       code="invalid_api_key")
-    return (("authorization", auth),) if auth else ()
+        return await asyncio.to_thread(parsed) if len(body) > OFFLOAD_BYTES else parsed()
 
 
 def _request_id(request: Request) -> str:
@@ -99,13 +106,6 @@ def _request_id(request: Request) -> str:
     Tidekv log, as gRPC's ``request_id`` does), else a fresh one."""
     given = request.headers.get("x-request-id", "")
     return given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
-
-
-async def _json(request: Request) -> object:
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise invalid(None, "the request body is not valid JSON") from None
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
@@ -169,13 +169,13 @@ async def _collect(gen: Generation, shape: Shape) -> dict:
     return shape.response("".join(texts), list(gen.token_ids), reason, gen.usage())
 
 
-async def _generate(request: Request, params: GenerationParams, chat: bool) -> Response:
+async def _generate(request: Request, params: GenerationParams, chat: bool, metadata: Metadata) -> Response:
     front: Front = request.app.state.front
     request_id = _request_id(request)
     shape = Shape(chat, ("chatcmpl-" if chat else "cmpl-") + request_id, front.config.model_name,
                   params.include_usage)
-    gen = Generation(front.inference, params, request_id, front.tokenizer, front.config.request_timeout_s,
-                     credentials(request))
+    gen = Generation(front.conductors, params, request_id, front.tokenizer, front.config.request_timeout_s,
+                     metadata)
     headers = {"X-Request-Id": request_id}
     log.debug("request %s (user %r): stream=%s max_tokens=%d", request_id, params.user, params.stream,
               params.max_tokens)
@@ -183,32 +183,43 @@ async def _generate(request: Request, params: GenerationParams, chat: bool) -> R
         started, _ = await _unless_disconnected(request, gen.start())
         if not started:
             gen.cancel()
-            return Response(status_code=499)
+            return Response(status_code=CLIENT_GONE)
         return _Stream(gen, _events(gen, shape), {**headers, "Cache-Control": "no-cache"})
     done, body = await _unless_disconnected(request, _collect(gen, shape))
     if not done:
         gen.cancel()
-        return Response(status_code=499)  # nobody reads it: the client is gone
+        return Response(status_code=CLIENT_GONE)  # nobody reads it: the client is gone
     return JSONResponse(body, headers=headers)
 
 
 # ---- routes -----------------------------------------------------------------------------------
 async def completions(request: Request) -> Response:
-    params = parse_completion(await _json(request), request.app.state.front.ctx)
-    return await _generate(request, params, chat=False)
+    front: Front = request.app.state.front
+    metadata = front.keys.credentials(request)  # before a byte of the body is read
+    params = await front.params(request, lambda body: parse_completion(body, front.ctx))
+    return await _generate(request, params, chat=False, metadata=metadata)
 
 
 async def chat_completions(request: Request) -> Response:
     front: Front = request.app.state.front
-    params = parse_chat(await _json(request), front.ctx, front.template, front.tokenizer.encode)
-    return await _generate(request, params, chat=True)
+    metadata = front.keys.credentials(request)
+    params = await front.params(request, lambda body: parse_chat(body, front.ctx, front.template,
+                                                                 front.tokenizer.encode))
+    return await _generate(request, params, chat=True, metadata=metadata)
 
 
 async def models(request: Request) -> Response:
     front: Front = request.app.state.front
+    front.keys.credentials(request)
     card = {"id": front.config.model_name, "object": "model", "created": 0, "owned_by": "tidekv",
             "max_model_len": front.max_model_len, "context_length": front.max_model_len}
     return JSONResponse({"object": "list", "data": [card]})
+
+
+async def metrics_route(request: Request) -> Response:
+    front: Front = request.app.state.front
+    registry = REGISTRY if front.metrics.registry is None else front.metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
 
 async def health(request: Request) -> Response:
@@ -216,23 +227,31 @@ async def health(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
+    """Ready while some Conductor replica is SERVING (the front fails over to it)."""
     front: Front = request.app.state.front
-    try:
-        resp = await front.health.Check(health_pb2.HealthCheckRequest(service=HEALTH_SERVICE),
-                                        timeout=front.config.health_timeout_s)
-    except grpc.aio.AioRpcError as e:
-        raise ApiError(503, f"Conductor {front.config.conductor} unreachable: {e.code().name}",
-                       "service_unavailable_error", code="conductor_unavailable") from None
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-    if resp.status != health_pb2.HealthCheckResponse.SERVING:
-        raise ApiError(503, f"Conductor {front.config.conductor} is {status}", "service_unavailable_error",
-                       code="conductor_not_serving")
-    return JSONResponse({"status": "ready", "conductor": status})
+    statuses = []
+    for address, health in front.conductors.health_stubs():
+        try:
+            resp = await health.Check(health_pb2.HealthCheckRequest(service=HEALTH_SERVICE),
+                                      timeout=front.config.health_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            statuses.append(f"{address} unreachable: {e.code().name}")
+            continue
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+        if resp.status == health_pb2.HealthCheckResponse.SERVING:
+            return JSONResponse({"status": "ready", "conductor": status})
+        statuses.append(f"{address} is {status}")
+    code = "conductor_unavailable" if all("unreachable" in s_ for s_ in statuses) else "conductor_not_serving"
+    raise ApiError(503, f"no Conductor serving ({'; '.join(statuses)})", "service_unavailable_error", code=code)
 
 
 # ---- errors: rendered once, in OpenAI's shape -------------------------------------------------
 async def _api_error(request: Request, exc: ApiError) -> Response:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _client_gone(request: Request, exc: Disconnected) -> Response:
+    return Response(status_code=CLIENT_GONE)  # nobody reads it
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -247,9 +266,10 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return await _api_error(request, ApiError(500, f"internal error: {type(exc).__name__}", "server_error"))
 
 
-def build_app(config: FrontConfig) -> Starlette:
-    """The ASGI app; loads the tokenizer and chat template now, opens the channel at startup."""
-    front = Front(config)
+def build_app(config: FrontConfig, metrics: FrontMetrics | None = None) -> Starlette:
+    """The ASGI app; loads the tokenizer, chat template and keys now, opens the channel at startup."""
+    metrics = metrics or FrontMetrics()
+    front = Front(config, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -264,25 +284,12 @@ def build_app(config: FrontConfig) -> Starlette:
                 Route("/v1/chat/completions", chat_completions, methods=["POST"]),
                 Route("/v1/models", models, methods=["GET"]),
                 Route("/health", health, methods=["GET"]),
-                Route("/ready", ready, methods=["GET"])],
-        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+                Route("/ready", ready, methods=["GET"]),
+                Route("/metrics", metrics_route, methods=["GET"])],
+        exception_handlers={ApiError: _api_error, Disconnected: _client_gone, HTTPException: _http_error,
+                            Exception: _internal_error},
+        middleware=[Middleware(MetricsMiddleware, metrics=metrics)],
         lifespan=lifespan,
     )
     app.state.front = front
     return app
-
-
-def serve(argv: list[str] | None = None) -> None:
-    """``tidekv serve --role http``: blocks until SIGTERM/SIGINT, then lets open requests finish."""
-    config = config_from_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_app(config)
-    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((config.host, config.port))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, loop="uvloop", http="httptools", lifespan="on",
-                                           log_level="warning", access_log=False, timeout_graceful_shutdown=30))
-    print(f"tidekv http front serving on http://{config.host}:{port} (conductor {config.conductor}, "
-          f"model {config.model_name}; insecure: no TLS, no API keys yet)", flush=True)
-    server.run(sockets=[sock])

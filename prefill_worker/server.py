@@ -133,7 +133,8 @@ class PrefillWorker(WorkerServiceBase):
     def _start(self) -> None:
         cfg = self.config
         ident = Identity(self.worker_id, "prefill", cfg.model)
-        self.metrics = start_metrics(cfg.host, cfg.metrics_port, identity=ident, advertise_host=cfg.advertised_host)
+        self.metrics = start_metrics(cfg.host, cfg.metrics_port, identity=ident, advertise_host=cfg.advertised_host,
+                                     tls=cfg.tls)
         self._closing.callback(self.metrics.stop)
         model = engine.load_model(cfg.model, device=cfg.device)
         mcfg = model.cfg

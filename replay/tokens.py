@@ -26,7 +26,7 @@ from functools import lru_cache
 import numpy as np
 
 SEED_DOMAIN = b"tidekv.replay.block:"
-# engine.tokenizer.ByteTokenizer's BOS and EOS, plus 0; written here so that the replay client
+# engine.tokenizer.CharTokenizer's BOS and EOS, plus 0; written here so that the replay client
 # does not import the engine (torch). tests/replay checks them against the tokenizer.
 DEFAULT_RESERVED_IDS = (0, 256, 257)
 DEFAULT_VOCAB_SIZE = 8192  # the built-in tiny model's

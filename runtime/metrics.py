@@ -22,30 +22,34 @@ through ``TenantLabels``: an allow-list from the config, anything else becomes `
 request ids, prompts or other unbounded values ever become label values.
 
 Server: ``start_metrics(host, port)`` serves ``REGISTRY`` on ``http://host:port/metrics`` (the
-classic text format, which keeps the colons) from a daemon thread; port 0 takes a free port,
--1 serves nothing (``MetricsServer.address`` is "" then). The host is bound like the gRPC port
-(127.0.0.1 unless told otherwise).
+classic text format, which keeps the colons) from threads of its own
+(``runtime.metrics_server``: a few connections at a time, each with one deadline, so slow
+clients cannot pile up); port 0 takes a free port, -1 serves nothing (``MetricsServer.address``
+is "" then). The host is bound like the gRPC port (127.0.0.1 unless told otherwise). Given
+TLS files with a certificate, it serves HTTPS (``https://host:port/metrics``).
 """
 
 from __future__ import annotations
 
 import bisect
+import ssl
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, ThreadingWSGIServer
+
+from runtime.metrics_server import BoundedHttpServer, ServerLimits
 
 PREFIX = "tidekv:"
 OFF_PORT = -1
 OTHER_TENANT = "other"
 DEFAULT_TENANT = "default"  # label of requests that name no tenant
+DEFAULT_LIMITS = ServerLimits()  # of every /metrics server (runtime.metrics_server)
 
 # Spacings chosen for these latencies: vLLM's TTFT and ITL buckets, extended below 10 ms
 # because the tiny CPU model and a local cluster answer in milliseconds.
@@ -263,63 +267,42 @@ class MetricsServer:
     """A running ``/metrics`` endpoint (``address`` is ``host:port``), or none (address "")."""
 
     address: str
-    _server: Any = None
-    _thread: threading.Thread | None = None
+    _server: BoundedHttpServer | None = None
+    tls: bool = False
 
     @property
     def url(self) -> str:
-        return f"http://{self.address}/metrics" if self.address else ""
+        return f"{'https' if self.tls else 'http'}://{self.address}/metrics" if self.address else ""
 
     def stop(self) -> None:
         """Stop serving and close the socket. Idempotent."""
         server, self._server = self._server, None
         if server is not None:
-            server.shutdown()
-            server.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+            server.stop()
 
 
 def start_metrics(host: str = "127.0.0.1", port: int = 0, identity: Identity | None = None,
-                  registry: CollectorRegistry | None = None, advertise_host: str = "") -> MetricsServer:
+                  registry: CollectorRegistry | None = None, advertise_host: str = "", tls: Any = None,
+                  limits: ServerLimits = DEFAULT_LIMITS) -> MetricsServer:
     """Serve ``registry`` (default ``REGISTRY``) at ``http://host:port/metrics``; port 0 takes
     a free port, ``OFF_PORT`` (-1) serves nothing. ``identity`` also enables the process
     context (``enable``) for the transfer engine's metrics. ``advertise_host`` (default: host,
-    loopback for a wildcard) is the host in ``address``. RuntimeError naming the address when
-    it cannot bind."""
+    loopback for a wildcard) is the host in ``address``. ``tls`` (``runtime.grpc_server.TlsFiles``)
+    with a certificate serves HTTPS. RuntimeError naming the address when it cannot bind."""
     if identity is not None:
         enable(identity, registry)
     if port == OFF_PORT:
         return MetricsServer("")
     if not 0 <= port < 65536:
         raise ValueError(f"metrics_port {port} not in -1..65535")
+    context = None
+    if tls is not None and tls.serves:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(tls.cert, tls.key)
+    reg = REGISTRY if registry is None else registry
     try:
-        server = make_server(host, port, _metrics_app(REGISTRY if registry is None else registry),
-                             ThreadingWSGIServer, handler_class=_QuietHandler)
+        server = BoundedHttpServer(host, port, lambda: generate_latest(reg), limits, context)
     except OSError as e:
         raise RuntimeError(f"cannot serve metrics on {host}:{port}: {e}") from e
-    thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
-    thread.start()
     shown = advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "::", "") else host)
-    return MetricsServer(f"{shown}:{server.server_port}", server, thread)
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
-        pass  # one line per scrape would flood the process's log
-
-
-def _metrics_app(registry: CollectorRegistry) -> Callable[..., Iterable[bytes]]:
-    """A WSGI app answering ``GET /metrics`` in the classic text format (0.0.4) whatever the
-    Accept header asks: prometheus_client's OpenMetrics output rewrites the colons of our names
-    to underscores, and every Prometheus version reads the text format."""
-
-    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        if environ.get("PATH_INFO", "/") not in ("/metrics", "/"):
-            start_response("404 Not Found", [("Content-Type", "text/plain")])
-            return [b"only /metrics is served here\n"]
-        body = generate_latest(registry)
-        start_response("200 OK", [("Content-Type", CONTENT_TYPE_PLAIN_0_0_4), ("Content-Length", str(len(body)))])
-        return [body]
-
-    return app
+    return MetricsServer(f"{shown}:{server.port}", server, context is not None)

@@ -31,7 +31,7 @@ TARGETS = ["base", *sorted(f"overlays/{p.parent.name}" for p in (K8S / "overlays
 # The oldest release these manifests promise to work on, one in between, the newest bundled.
 K8S_VERSIONS = ("1.30.0", "1.33.0", "1.37.0")
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet"}
-TIDEKV_ROLES = ("conductor", "prefill", "decode")
+TIDEKV_ROLES = ("conductor", "prefill", "decode", "http")
 # Values the downward API fills in at run time, for the settings checks.
 FIELD_REF_SAMPLES = {"status.podIP": "10.0.0.7", "metadata.name": "tidekv-prefill-0"}
 
@@ -285,9 +285,10 @@ def check_settings(objs: list[dict]) -> list[str]:
     services = {o["metadata"]["name"]: {p["port"] for p in o["spec"]["ports"]} for o in objs if o["kind"] == "Service"}
     for role, workload, c in tidekv_containers(objs):
         env, template = container_env(objs, c), workload["spec"]["template"]
-        grpc = {p["containerPort"] for p in c.get("ports", []) if p.get("name") == "grpc"}
+        serving = "http" if role == "http" else "grpc"  # the port the process serves on
+        grpc = {p["containerPort"] for p in c.get("ports", []) if p.get("name") == serving}
         if {int(env.get("TIDEKV_PORT", 0))} != grpc:
-            problems.append(f"{role}: TIDEKV_PORT {env.get('TIDEKV_PORT')} is not the grpc container port {grpc}")
+            problems.append(f"{role}: TIDEKV_PORT {env.get('TIDEKV_PORT')} is not the {serving} container port {grpc}")
         problems += [f"{role}: {kind} asks port {probe_port(p)}, the server listens on {env.get('TIDEKV_PORT')}"
                      for kind, p in probes(c) if "grpc" in p and str(probe_port(p)) != env.get("TIDEKV_PORT")]
         for key, pattern in (("TIDEKV_CONDUCTOR", r"([\w.-]+):(\d+)"), ("TIDEKV_INDEX", r"redis://([\w.-]+):(\d+)")):
@@ -328,13 +329,21 @@ def check_labels(objs: list[dict]) -> list[str]:
 SERVICE_MONITOR_SPEC = {"selector", "endpoints", "namespaceSelector", "podTargetLabels", "targetLabels", "jobLabel",
                         "sampleLimit", "targetLimit", "labelLimit", "attachMetadata"}
 def check_credentials(objs: list[dict]) -> list[str]:
-    """Every role reads the cluster secret from a Secret volume it mounts; the Conductor reads
-    its API keys the same way and never serves without them."""
+    """Every member role reads the cluster secret from a Secret volume it mounts; the Conductor
+    and the HTTP front read the API keys the same way and never serve without them; the front
+    (it signs nothing) neither gets nor mounts the cluster secret."""
     problems = []
     for role, workload, c in tidekv_containers(objs):
         env = container_env(objs, c)
         volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
-        for key in ["TIDEKV_CLUSTER_SECRET_FILE"] + (["TIDEKV_API_KEYS"] if role == "conductor" else []):
+        if role == "http":
+            secrets = [v["name"] for v in volumes.values() if v.get("secret", {}).get("secretName")
+                       == "tidekv-cluster-secret"]
+            if "TIDEKV_CLUSTER_SECRET_FILE" in env or secrets:
+                problems.append("http: the front is given the cluster secret")
+        needed = (["TIDEKV_CLUSTER_SECRET_FILE"] if role != "http" else []) + \
+            (["TIDEKV_API_KEYS"] if role in ("conductor", "http") else [])
+        for key in needed:
             path = env.get(key, "")
             mounts = [m for m in c.get("volumeMounts", []) if path.startswith(m["mountPath"].rstrip("/") + "/")]
             if not path or not mounts or "secret" not in volumes.get(mounts[0]["name"], {}):
@@ -469,6 +478,11 @@ MUTATIONS: dict[str, tuple[str, Callable[[list[dict]], object], Callable[[list[d
     "secret not mounted": ("overlays/cpu-tiny", lambda o: _container(o, "prefill")["volumeMounts"].pop(
         next(i for i, m in enumerate(_container(o, "prefill")["volumeMounts"]) if m["name"] == "cluster-secret")),
         check_credentials),
+    "front given the cluster secret": ("overlays/cpu-tiny", lambda o: _set_env(
+        o, "http", "TIDEKV_CLUSTER_SECRET_FILE", "/etc/tidekv/cluster/secret"), check_credentials),
+    "front without keys": ("overlays/gpu", lambda o: _container(o, "http")["volumeMounts"].pop(
+        next(i for i, m in enumerate(_container(o, "http")["volumeMounts"]) if m["name"] == "api-keys")),
+        check_credentials),
     "public endpoint without keys": ("overlays/gpu", lambda o: _set_env(o, "conductor", "TIDEKV_INSECURE_NO_AUTH",
                                                                         "1"), check_credentials),
     "pod without a role label": ("overlays/cpu-tiny", lambda o: _find(o, "Deployment", "tidekv-decode")["spec"][
@@ -501,11 +515,12 @@ def test_configmaps_parse_into_the_role_configs(objs: list[dict]) -> None:
     try:
         from conductor.config import ConductorConfig
         from decode_worker.config import DecodeConfig
+        from openai_api.config import FrontConfig
         from prefill_worker.config import PrefillConfig
         from runtime.settings import parse_config
     except ImportError as e:
         pytest.skip(f"runtime.settings.parse_config and the role config classes are not there yet: {e}")
-    classes = {"conductor": ConductorConfig, "prefill": PrefillConfig, "decode": DecodeConfig}
+    classes = {"conductor": ConductorConfig, "prefill": PrefillConfig, "decode": DecodeConfig, "http": FrontConfig}
     for role, _, c in tidekv_containers(objs):
         env = {k: v for k, v in container_env(objs, c).items() if k.startswith("TIDEKV_")}
         config = parse_config(classes[role], [], env)

@@ -1,7 +1,8 @@
 """Tidekv on a real local Ray cluster (``ray start --head`` on 127.0.0.1, token auth, stopped at the end).
 
-One lifecycle, step by step: 1 Conductor + 2 prefill + 1 decode actors come up and serve
-token-exact; a prefill actor killed with ``ray.kill(no_restart=False)`` is restarted by Ray,
+One lifecycle, step by step: 1 Conductor + 2 prefill + 1 decode actors and the HTTP front
+come up and serve token-exact (gRPC and HTTP; the front holds no cluster secret and serves its
+/metrics); a prefill actor killed with ``ray.kill(no_restart=False)`` is restarted by Ray,
 registers again and serves, while the cluster keeps serving on the others; a killed Conductor
 comes back on its port and every worker registers with it again; the decode pool is
 scaled to 2 by the ``tidekv scale`` command (a second Ray driver) and back to 1 by the API; the
@@ -44,6 +45,7 @@ from conductor.config import ConductorConfig  # noqa: E402
 from decode_worker.config import DecodeConfig  # noqa: E402
 from deploy.local import free_port  # noqa: E402
 from deploy.ray_launcher import RayCluster, RayClusterConfig, connect  # noqa: E402
+from openai_api.config import FrontConfig  # noqa: E402
 from prefill_worker.config import PrefillConfig  # noqa: E402
 from tests.e2e.helpers import prompt, run_all  # noqa: E402
 
@@ -129,16 +131,32 @@ def wait_until(predicate, timeout_s: float, what: str):
 ALL_WORKERS = {"prefill-0-0", "prefill-0-1", "decode-0-0"}
 
 
+def check_http(url: str, reference, salt: int) -> None:
+    """A completion through the HTTP front actor, token-exact; its /metrics counts it."""
+    import httpx
+
+    ids = prompt(30, salt)
+    r = httpx.post(f"{url}/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 6, "temperature": 0,
+                                               "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == engine.generate(reference, ids, 6)
+    metrics = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
+    assert 'tidekv:http_requests_total{route="/v1/completions",status="200"}' in metrics
+
+
 def check_started(cluster: RayCluster, reference) -> dict:
     reports = {r.name: r for r in cluster.reports()}
-    assert set(reports) == {"conductor", *ALL_WORKERS}
+    assert set(reports) == {"conductor", "http", *ALL_WORKERS}
     assert all(r.ready and r.node_ip == "127.0.0.1" and r.address.startswith("127.0.0.1:")
                for r in reports.values()), reports
     assert all(reports[n].transfer_address.startswith("tcp://127.0.0.1:") for n in ALL_WORKERS)
-    assert len({r.pid for r in reports.values()}) == 4 and os.getpid() not in {r.pid for r in reports.values()}
+    assert len({r.pid for r in reports.values()}) == 5 and os.getpid() not in {r.pid for r in reports.values()}
     assert cluster.endpoint == reports["conductor"].address
+    assert cluster.http_url == f"http://{reports['http'].address}/v1"
+    assert ray.get(ray.get_actor("http", namespace=NAMESPACE).secret.remote()) == ""  # the front holds none
     outs = check_exact(cluster.endpoint, reference, salt=300)
     assert {o.prefill_worker for o in outs} == {"prefill-0-0", "prefill-0-1"}
+    check_http(cluster.http_url, reference, salt=350)
     return reports
 
 
@@ -166,6 +184,7 @@ def check_conductor_actor_restarts(cluster: RayCluster, reference, before) -> No
 
     wait_until(conductor_back, 120, "a new Conductor with every worker registered again")
     check_exact(cluster.endpoint, reference, salt=550)
+    check_http(cluster.http_url, reference, salt=560)  # the front's channel found the new Conductor
 
 
 def check_decode_scales(cluster: RayCluster, reference, ray_address: str) -> None:
@@ -190,7 +209,7 @@ def test_ray_cluster_lifecycle(ray_head, reference, tmp_path):
         # A given data dir (one SSD tier per worker under it): a killed actor leaves nothing in /tmp.
         prefill=PrefillConfig(block_size=BLOCK, num_pages=256, drain_timeout_s=10, data_dir=str(tmp_path)),
         decode=DecodeConfig(block_size=BLOCK, num_pages=512, drain_timeout_s=10),
-        num_prefill=2, num_decode=1, namespace=NAMESPACE, ready_timeout_s=150,
+        http=FrontConfig(port=free_port()), num_prefill=2, num_decode=1, namespace=NAMESPACE, ready_timeout_s=150,
     )
     cluster = RayCluster(config)
     try:

@@ -47,7 +47,7 @@ def test_up_calibrates_serves_grpc_and_http_and_stops(tmp_path, reference):
                 break
             time.sleep(0.1)
         targets = yaml.safe_load(prom.read_text())["scrape_configs"][0]["static_configs"][0]["targets"]
-        assert len(targets) == 3
+        assert len(targets) == 4 and http.removeprefix("http://").removesuffix("/v1") in targets  # + the front
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=90)

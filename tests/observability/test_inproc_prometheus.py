@@ -29,7 +29,13 @@ from observe.prometheus import RULES_PATH, LocalPrometheus, PrometheusClient, sc
 from runtime.metrics import DEFAULT_TENANT, OTHER_TENANT, Identity, disable, enable, start_metrics
 from tests.observability import promql
 from tests.observability.inproc import PREFILL, InProcCluster, Seen
-from tests.observability.workload import ALLOWED_TENANTS, NUM_DISTINCT_TENANTS, faulty_transfers, run_requests
+from tests.observability.workload import (
+    ALLOWED_TENANTS,
+    NUM_DISTINCT_TENANTS,
+    FrontLoad,
+    faulty_transfers,
+    run_requests,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
                                 reason="prometheus not installed (apt-get install -y prometheus)")
@@ -50,18 +56,23 @@ def scraped():
     enable(Identity(PREFILL, "prefill", "tiny"), registry)  # the transfer engine's process context
     cluster = InProcCluster(registry, ConductorConfig(policy="mooncake", metrics_tenants=ALLOWED_TENANTS))
     server = start_metrics("127.0.0.1", 0, registry=registry)
+    front = FrontLoad(registry)
     prom = LocalPrometheus(scrape_config([server.address], interval_s=1.0, rule_files=[RULES_PATH]))
     try:
         prom.wait_ready(timeout_s=60)
         # Rates need samples from before the workload: wait for the first scrapes.
         assert promql.wait_for(prom.client, "count(up == 1)", 1.0, timeout_s=30) == 1.0, prom.log_tail()
+        front.round()
         time.sleep(2.0)
         seen = run_requests(cluster)
         faulty_transfers(cluster)
+        statuses = front.round()
+        assert statuses == {200: 2, 400: 1, 404: 2, 503: 2}, statuses
         promql.wait_until_all_pass(prom.client, promql.queries(), timeout_s=45)
         yield Scraped(prom.client, seen, server.address, time.time())
     finally:
         prom.stop()
+        front.close()
         server.stop()
         cluster.close()
         disable()

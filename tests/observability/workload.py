@@ -63,3 +63,47 @@ def faulty_transfers(c: InProcCluster) -> None:
         except TransferError:
             continue
         raise AssertionError(f"transfer {rid} completed")
+
+
+class FrontLoad:
+    """The real HTTP front (uvicorn, its limits, its metrics in ``registry``) before a Conductor
+    that is not there. ``round`` sends answers of every kind the front gives alone (200, 400,
+    404, 503) and one connection over its cap of 2, and returns the count of each status. Run
+    a round before the first scrape and one after: a labelled series appears with its first
+    increment, and rate() sees only increments after its first sample."""
+
+    def __init__(self, registry):
+        from openai_api.config import FrontConfig
+        from openai_api.service import FrontService
+        from runtime.ports import free_port
+
+        self.front = FrontService(FrontConfig(conductor=f"127.0.0.1:{free_port()}", port=0, max_connections=2),
+                                  registry)
+        self.front.start()
+
+    def round(self, timeout_s: float = 30.0) -> dict[int, int]:
+        import socket
+        import time
+
+        import httpx
+
+        seen: dict[int, int] = {}
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+        with httpx.Client(base_url=f"http://{self.front.address}", timeout=timeout_s) as h:
+            answers = [h.get("/v1/models"), h.get("/health"), h.get("/nowhere"),
+                       h.post("/v1/completions", content=b"{not json"),
+                       h.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"}),
+                       h.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}),
+                       h.post("/v1/chat/completions", json=chat)]
+        for r in answers:
+            seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        held = [socket.create_connection(("127.0.0.1", int(self.front.address.rsplit(":", 1)[1])))
+                for _ in range(3)]
+        time.sleep(0.5)  # the third is over the cap of 2: answered 503 and closed
+        for s in held:
+            s.close()
+        return seen
+
+    def close(self) -> None:
+        self.front.drain(5)
+        self.front.stop()

@@ -41,3 +41,10 @@ def test_invalid_argument_names_the_openai_field():
     assert rename_field("token_ids: prompt has 9000 tokens, the limit is 8000", NAMES) == (
         "messages: prompt has 9000 tokens, the limit is 8000", "messages")
     assert rename_field("deadline_s must be in [0, 3600]", NAMES) == ("deadline_s must be in [0, 3600]", None)
+
+
+def test_a_message_over_the_conductors_size_limit_is_413_not_429():
+    e = from_rpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (9000000 vs. 8388608)", (), {})
+    assert e.status == 413 and e.body()["error"]["code"] == "request_too_large"
+    e = from_rpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "admission queue full", (("retry-after-s", "2"),), {})
+    assert e.status == 429 and e.headers["Retry-After"] == "2"

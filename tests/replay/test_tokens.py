@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import tiny_config
-from engine.tokenizer import ByteTokenizer
+from engine.tokenizer import CharTokenizer
 from replay.tokens import DEFAULT_RESERVED_IDS, DEFAULT_VOCAB_SIZE, block_seed, block_tokens, prompt_tokens
 
 GOLDEN_BLOCK_0 = (4425, 2067, 1787, 3685, 7007, 653, 6982, 3959)
@@ -61,7 +61,7 @@ def test_partial_last_block_is_a_cut_of_the_full_block():
 
 
 def test_ids_in_vocabulary_and_no_special_tokens():
-    tok = ByteTokenizer(tiny_config().vocab_size)
+    tok = CharTokenizer(tiny_config().vocab_size)
     assert tiny_config().vocab_size == DEFAULT_VOCAB_SIZE
     assert {tok.BOS, tok.EOS} <= set(DEFAULT_RESERVED_IDS) and tiny_config().eos_token_id in DEFAULT_RESERVED_IDS
     ids = [t for h in range(200) for t in block_tokens(h, 64)]

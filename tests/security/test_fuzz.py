@@ -68,6 +68,7 @@ CFG = engine.load_config("tiny")
 VOCAB = CFG.vocab_size
 # The Conductor's defaults (conductor.config): the spec the requests below are judged by.
 MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_DEADLINE_S, MAX_SLO_S = 1024, 8000, 3600.0, 3600.0
+TOKENIZER = engine.load_tokenizer("tiny")
 MAX_REQUEST_ID_LEN, MAX_TENANT_LEN = 48, 128  # request_id in UTF-8 bytes
 CALL_TIMEOUT_S = 60.0  # far beyond any request here: running into it is a hang
 BAD_FLOATS = (math.nan, math.inf, -math.inf, -1.0, -1e-30, 1e308)
@@ -103,9 +104,9 @@ def _ids(valid_only: bool) -> st.SearchStrategy[list[int]]:
 
 
 def _text(valid_only: bool) -> st.SearchStrategy[str]:
-    # The tiny model's tokenizer is bytewise: 12 characters are at most 48 prompt tokens.
+    # The tiny model's tokenizer gives one token per character: 12 characters are 12 prompt tokens.
     short = st.text(min_size=1, max_size=12)
-    return short if valid_only else st.one_of(short, st.just(""), st.just("\u00e9" * (MAX_PROMPT_TOKENS // 2 + 1)))
+    return short if valid_only else st.one_of(short, st.just(""), st.just("\u00e9" * (MAX_PROMPT_TOKENS + 1)))
 
 
 def _floats(valid: st.SearchStrategy[float], valid_only: bool, *extra: float) -> st.SearchStrategy[float]:
@@ -159,7 +160,7 @@ def generate_requests(draw, valid_only: bool) -> pb.GenerateRequest:
 
 
 def prompt_ids(req: pb.GenerateRequest) -> list[int]:
-    return list(req.text.encode()) if req.WhichOneof("prompt") == "text" else list(req.token_ids.ids)
+    return TOKENIZER.encode(req.text) if req.WhichOneof("prompt") == "text" else list(req.token_ids.ids)
 
 
 def problems(req: pb.GenerateRequest) -> list[str]:

@@ -1,11 +1,12 @@
 """A cluster whose every gRPC port serves TLS (certificates from `runtime.certs`, as
 `tidekv certs` makes them): workers register and are driven over TLS, clients that verify the
-CA are served token-exact, the HTTP front dials the Conductor over TLS, and a plaintext client
-gets nothing."""
+CA are served token-exact, the HTTP front dials the Conductor over TLS and serves HTTPS (its
+/metrics too), the workers' /metrics serve HTTPS, and a plaintext client gets nothing."""
 
 from __future__ import annotations
 
 import json
+import ssl
 import urllib.request
 
 import grpc
@@ -14,6 +15,7 @@ import pytest
 import engine
 from conductor.client import Client
 from deploy.local import ClusterConfig, LocalCluster
+from observe import top
 from tests.e2e.conftest import DECODE_ARGS, WORKER_ARGS
 from tests.e2e.helpers import prompt
 
@@ -36,10 +38,18 @@ def test_everything_runs_over_tls(tls_cluster):
         out = client.generate(Client.request(ids, max_tokens=5))
         assert out.finish_reason == "length" and out.token_ids == engine.generate(model, ids, 5)
     client.close()
-    body = json.dumps({"model": "tiny", "prompt": "over tls", "max_tokens": 2}).encode()
+    assert c.http_url.startswith("https://")
+    verified = ssl.create_default_context(cafile=c.tls.ca)
+    ids = prompt(30, 12)
+    body = json.dumps({"model": "tiny", "prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True}).encode()
     req = urllib.request.Request(f"{c.http_url}/completions", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 2
+    with urllib.request.urlopen(req, timeout=60, context=verified) as r:
+        assert r.status == 200 and json.loads(r.read())["choices"][0]["token_ids"] == engine.generate(model, ids, 4)
+    front = c.http_url.removesuffix("/v1").removeprefix("https://")
+    workers = [w.metrics_address for w in c.workers().workers]
+    for address in (front, *workers):
+        samples = top.scrape(address, tls_ca=c.tls.ca)
+        assert any(name.startswith("tidekv:") for name, _, _ in samples), address
 
 
 def test_a_plaintext_client_is_not_served(tls_cluster):
@@ -48,3 +58,10 @@ def test_a_plaintext_client_is_not_served(tls_cluster):
         plain.generate(Client.request([1, 2, 3], max_tokens=1), timeout_s=10)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     plain.close()
+    front = tls_cluster.http_url.removesuffix("/v1").removeprefix("https://")
+    with pytest.raises(OSError):  # plain HTTP to an HTTPS port: no answer
+        urllib.request.urlopen(f"http://{front}/health", timeout=10)
+    for w in tls_cluster.workers().workers:
+        assert top.scrape(w.metrics_address) == []  # plain HTTP: nothing
+        with pytest.raises(OSError):  # HTTPS without the CA: the certificate is not trusted
+            urllib.request.urlopen(f"https://{w.metrics_address}/metrics", timeout=10)
