@@ -189,6 +189,8 @@ class ResumableCall:
         while True:
             req = pb.GenerateRequest()
             req.CopyFrom(self.req)
+            if failovers:
+                req.failover = True
             if sent:
                 req.resume.ids[:] = list(self.req.resume.ids) + sent
             stub = self.client.stub

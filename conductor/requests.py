@@ -47,15 +47,16 @@ class LiveRequests:
     def live_key(self, tenant: str, client_request_id: str) -> bytes:
         return hmac.new(self._key, f"{tenant}\n{client_request_id}".encode(), hashlib.sha256).digest()[:16]
 
-    def claim(self, tenant: str, client_request_id: str, resuming: bool = False) -> Claim | None:
+    def claim(self, tenant: str, client_request_id: str, failover: bool = False) -> Claim | None:
         """The ids of a new request, or None when ``client_request_id`` is live in ``tenant``.
-        A resumed stream (its Conductor died) may take a name the dead replica still holds."""
+        A request failed over from a replica that died (``GenerateRequest.failover``) may take a
+        name that replica still holds."""
         request_id = f"{self._tag}-{next(self._counter):x}"
         if not client_request_id:
             return Claim(request_id, uuid.uuid4().hex, b"")
         live_key = self.live_key(tenant, client_request_id)
         with self._lock:
-            if live_key in self._live or (not resuming and self._remote is not None and self._remote.holds(live_key)):
+            if live_key in self._live or (not failover and self._remote is not None and self._remote.holds(live_key)):
                 return None
             self._live.add(live_key)
         return Claim(request_id, client_request_id, live_key)

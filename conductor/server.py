@@ -171,7 +171,7 @@ class InferenceService:
             context.set_trailing_metadata((("retry-after-s", "1"), ("reject-reason", reason)))
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.RESOURCE_EXHAUSTED,
                           refusal + (" before the request's deadline" if late else ""))
-        claim = self.live.claim(valid.tenant, request.request_id, resuming=bool(valid.resumed))
+        claim = self.live.claim(valid.tenant, request.request_id, failover=request.failover or bool(valid.resumed))
         if claim is None:
             self.records.count("rejected", reason="duplicate_id", tenant=valid.tenant)
             self.admission.leave()

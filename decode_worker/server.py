@@ -118,7 +118,8 @@ class DecodeWorker(WorkerServiceBase):
         self._closing.callback(self.metrics.stop)
         model = engine.load_model(cfg.model, device=cfg.device)
         self._scheduler = scheduler = DecodeScheduler(model, cfg.num_pages, cfg.num_slots, cfg.block_size,
-                                                      cfg.max_batch, metrics=DecodeMetrics(ident))
+                                                      cfg.max_batch, reservation_ttl_s=cfg.reservation_ttl_s,
+                                                      metrics=DecodeMetrics(ident))
         receiver = Receiver(TransferConfig(deadline_s=cfg.transfer_deadline_s, bind_host=cfg.host,
                                            advertise_host=cfg.advertised_host,
                                            auth_key=self.credential.transfer_key),

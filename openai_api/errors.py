@@ -91,4 +91,6 @@ def from_rpc(code: grpc.StatusCode, details: str, trailing: object, names: Mappi
         return ApiError(401, details, "authentication_error", code="invalid_api_key")
     if code == grpc.StatusCode.PERMISSION_DENIED:
         return ApiError(403, details, "permission_error", code="permission_denied")
+    if code == grpc.StatusCode.ALREADY_EXISTS:  # a request id (X-Request-Id) already in flight for the tenant
+        return ApiError(409, details, "conflict_error", code="request_id_in_use")
     return ApiError(500, details, "server_error", code=code.name.lower())

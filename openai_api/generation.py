@@ -117,6 +117,7 @@ class Generation:
         first message, failing over while ``is_failover`` says another replica should try."""
         while True:
             req = self.params.to_proto(self.request_id)
+            req.failover = self._failovers > 0
             if self._detok.ids:
                 req.resume.ids[:] = self._detok.ids
             stub = self._stub = self._conductors.stub

@@ -1,8 +1,9 @@
 """Conductor replicas over one shared cluster state, on real processes: three Conductors, two
-prefill and two decode workers and a real redis-server (AUTH on). Workers register once,
-through one replica, and every replica serves them token-exactly; a replica SIGKILLed
-mid-stream (twice, restarted by the supervisor each time) loses no request: every stream
-is resumed on another replica and finishes token-exact.
+prefill and two decode workers, the HTTP front and a real redis-server (AUTH on). Workers
+register once, through one replica, and every replica serves them token-exactly; a replica
+SIGKILLed mid-stream (twice, restarted by the supervisor each time) loses no request, for
+gRPC clients and for the OpenAI client through the HTTP front alike: every stream is resumed
+on another replica and finishes token-exact.
 
 The assertions are on what each request received, never on how long anything took."""
 
@@ -22,14 +23,17 @@ from tests.e2e.helpers import prompt, wait_all_freed
 
 NUM_REQUESTS = 60
 MAX_TOKENS = 24
+LONG_TOKENS = 96  # through the HTTP front: long streams, so that a kill lands mid-stream
 KILLS = 2
 DEADLINE_S = 240.0  # a guard against hangs
 
 
 @pytest.fixture(scope="module")
 def replicas():
+    # A killed replica's reservations whose Decode never comes are freed after the TTL.
     config = ClusterConfig(num_prefill=2, num_decode=2, num_conductors=3, policy="round_robin",
-                           prefill_args=WORKER_ARGS, decode_args=DECODE_ARGS, supervise=True,
+                           prefill_args=WORKER_ARGS, decode_args=(*DECODE_ARGS, "--reservation-ttl-s", "10"),
+                           supervise=True, http_port=0,
                            conductor_args=("--decode-stall-timeout-s", "10"))
     with LocalCluster(config) as cluster:
         yield cluster
@@ -102,7 +106,7 @@ def test_a_replica_killed_mid_stream_twice_loses_no_request(replicas, reference)
     assert len(kills) == KILLS and client.num_failovers >= KILLS
     restarts = [e for e in replicas.events if e.name in kills and e.kind == "restarted"]
     assert len(restarts) == KILLS, [e.report for e in replicas.events]
-    stats = wait_all_freed(replicas)
+    stats = wait_all_freed(replicas, timeout_s=60)
     assert all(s.num_live_requests == 0 and s.num_free_pages == s.num_pages_total for s in stats.values()), stats
 
 
@@ -111,3 +115,54 @@ def _up(cluster: LocalCluster, name: str, min_restarts: int) -> bool:
     restarted = sum(1 for e in cluster.events if e.name == name and e.kind == "restarted")
     state = next((s for s in cluster.state().processes if s.name == name), None)
     return restarted >= min_restarts and state is not None and state.status == "up"
+
+
+def test_a_replay_through_the_http_front_survives_two_replica_kills(replicas, reference):
+    import openai
+
+    from observe.top import scrape
+
+    tok = reference.tokenizer
+    client = openai.OpenAI(base_url=replicas.http_url, api_key="unused", max_retries=0, timeout=DEADLINE_S)
+    requests = [prompt(40 + i % 24, 900 + i) for i in range(NUM_REQUESTS)]
+    expected = [_reference(reference, ids, LONG_TOKENS) for ids in requests]
+    started = threading.Semaphore(0)
+
+    def send(ids: list[int]) -> tuple[str, list[int], str | None]:
+        started.release()
+        text, got, finish = "", [], None
+        for chunk in client.completions.create(model="tiny", prompt=ids, max_tokens=LONG_TOKENS, temperature=0,
+                                               stream=True):
+            for choice in chunk.choices:
+                text += choice.text or ""
+                got += choice.token_ids
+                finish = choice.finish_reason or finish
+        return text, got, finish
+
+    def failovers() -> dict[str, float]:
+        return {dict(labels)["kind"]: value for name, labels, value in scrape(f"127.0.0.1:{replicas.http_port}",
+                                                                        timeout_s=10)
+                if name == "tidekv:http_conductor_failovers_total"}
+
+    before = failovers()
+
+    def killer() -> None:
+        for k, victim in enumerate(("conductor", "conductor-1")):  # the front starts on the first
+            for _ in range(10 + 15 * k):
+                started.acquire(timeout=DEADLINE_S)
+            replicas.kill(victim, restart=True)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(send, requests))
+    thread.join(timeout=60)
+    after = failovers()
+    wrong = [i for i, ((text, got, finish), want) in enumerate(zip(outs, expected, strict=True))
+             if got != want or text != tok.decode(want) or finish != "length"]
+    assert not wrong, [(i, outs[i][2]) for i in wrong]
+    resumed = after.get("resumed", 0) - before.get("resumed", 0)
+    retried = after.get("retried", 0) - before.get("retried", 0)
+    print(f"\n{NUM_REQUESTS} streams through the HTTP front, 2 replicas killed: {resumed:.0f} resumed mid-stream, "
+          f"{retried:.0f} retried before their first token")
+    assert resumed + retried >= 2
