@@ -83,7 +83,7 @@ class Cluster:
                 return (f"worker {info.worker_id} is alive at {old.info.rpc_address} as another instance; a new "
                         f"instance may take the id once the old one stops heartbeating")
             key = session_key(self.member.secret, info.worker_id, info.instance_id)
-            ch = self.member.channel(info.rpc_address, key)
+            ch = self.member.channel(info.rpc_address, key, audience=worker_principal(info.worker_id))
             is_prefill = info.role == ipb.WORKER_ROLE_PREFILL
             self._endpoints[info.worker_id] = Endpoint(
                 info, igrpc.PrefillStub(ch) if is_prefill else None, None if is_prefill else igrpc.DecodeStub(ch),

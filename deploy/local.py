@@ -37,7 +37,7 @@ from deploy.cluster_state import ClusterState, WorkerState, workers_from_respons
 from deploy.supervision import ProcessEvent, RestartPolicy, Supervisor
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
-from runtime.auth import OPERATOR, Member
+from runtime.auth import CONDUCTOR, OPERATOR, Member
 from runtime.certs import make_certs
 from runtime.grpc_server import TlsFiles
 from runtime.ports import free_port
@@ -208,9 +208,11 @@ class LocalCluster:
 
         self._supervisor.add(name, role, launch, log_path)
 
-    def channel(self, address: str) -> grpc.Channel:
-        """A channel to one of this cluster's processes, signed as an operator (a member)."""
-        return Member(self.secret_file.read_text().strip().encode(), OPERATOR, self.tls).channel(address)
+    def channel(self, address: str, audience: str = CONDUCTOR) -> grpc.Channel:
+        """A channel to one of this cluster's processes, signed as an operator (a member) for
+        ``audience``: ``CONDUCTOR``, or ``worker_principal(id)`` of the worker at ``address``."""
+        return Member(self.secret_file.read_text().strip().encode(), OPERATOR, self.tls).channel(address,
+                                                                                                 audience=audience)
 
     def _spawn_conductor(self) -> None:
         c = self.config

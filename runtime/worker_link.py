@@ -20,7 +20,7 @@ from kvstore.index import WorkerLoad
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
 from proto.convert import load_to_proto
-from runtime.auth import WorkerCredential
+from runtime.auth import CONDUCTOR, WorkerCredential
 
 log = logging.getLogger(__name__)
 MAX_EVENTS_PER_HEARTBEAT = 20_000  # ~1 MB: within the Conductor's message limit
@@ -38,8 +38,8 @@ class WorkerLink:
         self._drain_events = drain_events
         self._interval_s = interval_s
         member = credential.member
-        self._register_stub = igrpc.RegistryStub(member.channel(conductor_address))
-        self._stub = igrpc.RegistryStub(member.channel(conductor_address, credential.session_key))
+        self._register_stub = igrpc.RegistryStub(member.channel(conductor_address, audience=CONDUCTOR))
+        self._stub = igrpc.RegistryStub(member.channel(conductor_address, credential.session_key, audience=CONDUCTOR))
         self._pending: list[ipb.BlockEvent] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
