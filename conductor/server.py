@@ -4,8 +4,9 @@ service (``build(config)``, see ``runtime.service``) and as a process (``serve``
 Generate = authenticate (an API key, ``conductor.apikeys``: the tenant comes from it; without
 ``--api-keys`` only under a loud ``--insecure-no-auth``) -> parse (a malformed message or
 text that is not UTF-8 is INVALID_ARGUMENT, a message over ``--max-request-bytes`` is
-refused by gRPC unread) -> validate (INVALID_ARGUMENT naming the field) -> admission (RESOURCE_EXHAUSTED at
-once when the queue is full; a queued request waits for a running slot until its deadline or
+refused by gRPC unread) -> validate (INVALID_ARGUMENT naming the field) -> admission, weighted fair across tenants by
+their keys' limits (``conductor.admission``: RESOURCE_EXHAUSTED at once when the queue or the
+tenant's share is full; a queued request waits for a running slot until its deadline or
 ``max_queue_wait_s``, whichever is sooner) -> ``RequestLife.run`` (route, reserve, prefill,
 decode through the gRPC dispatcher). The index is in memory by default or in Redis with
 ``--index redis://...`` (falling back to local knowledge while Redis is unreachable). The
@@ -28,7 +29,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 import engine
-from conductor.admission import Admission
+from conductor.admission import Admission, TenantLimits
 from conductor.apikeys import ApiKey, ApiKeys
 from conductor.clock import Clock, SystemClock
 from conductor.cluster import Cluster
@@ -158,17 +159,19 @@ class InferenceService:
                 refuse(context, e, f"Generate as tenant {request.tenant!r}")
         client_left_s = context.time_remaining()
         deadline_s = min(valid.deadline_s, client_left_s if client_left_s is not None else math.inf)
-        refusal = self.admission.try_enter(timeout_s=min(deadline_s, self.config.max_queue_wait_s))
+        # Admission is shared by the key's tenant (its sub-tenants count as it), under its limits.
+        share = (key.tenant, key.limits) if key is not None else (valid.tenant, TenantLimits())
+        refusal = self.admission.try_enter(min(deadline_s, self.config.max_queue_wait_s), *share)
         if refusal is not None:
             # The wait ends at the deadline or at --max-queue-wait-s, whichever is sooner.
-            late = deadline_s <= self.config.max_queue_wait_s and "waited" in refusal
-            reason = "deadline" if late else "queue_full"
+            late = deadline_s <= self.config.max_queue_wait_s and refusal.kind == "waited"
+            reason = "deadline" if late else "queue_full" if refusal.kind == "waited" else refusal.kind
             self.records.count("rejected", reason=reason, tenant=valid.tenant)
             REFUSALS.log(logging.INFO, f"rejected:{reason}", "request %s rejected (%s): %s",
                          request.request_id or "(no id)", reason, refusal)
             context.set_trailing_metadata((("retry-after-s", "1"), ("reject-reason", reason)))
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          refusal + (" before the request's deadline" if late else ""))
+                          refusal.message + (" before the request's deadline" if late else ""))
         life = RequestLife(self.core, self.dispatcher, self.tokenizer, valid, request.request_id or uuid.uuid4().hex,
                            next(self._seq), self.config.max_prefill_attempts, self.records,
                            max_migrations=self.config.max_decode_migrations,
@@ -190,7 +193,7 @@ class InferenceService:
         finally:
             if life.cancelled:
                 self.records.count("client_cancelled")
-            self.admission.leave()
+            self.admission.leave(share[0])
 
 
 class RegistryService(igrpc.RegistryServicer):

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 import engine
+from conductor.admission import TenantLimits
 from conductor.apikeys import ApiKeys, add_key, parse_keys
 from conductor.validation import Limits, validate
 from proto import inference_pb2 as pb
@@ -195,3 +196,32 @@ def test_prompt_bytes_are_checked_before_tokenization():
     ids = pb.TokenIds(ids=[1] * 9000)
     with pytest.raises(ValueError, match="token_ids: prompt has 9000 tokens"):
         validate(pb.GenerateRequest(token_ids=ids, sampling=pb.SamplingParams(max_tokens=1)), cfg, tok, limits)
+
+
+def test_keys_carry_their_tenants_admission_limits(tmp_path):
+    path = tmp_path / "keys.json"
+    acme = add_key(str(path), "acme", limits=TenantLimits(max_running=4, max_queued=2, weight=2.0))
+    again = add_key(str(path), "acme", name="acme-2")  # takes the tenant's limits
+    other = add_key(str(path), "globex")
+    keys = ApiKeys(str(path))
+    found = {k: keys.authenticate([("authorization", f"Bearer {k}")]) for k in (acme, again, other)}
+    assert found[acme].limits == found[again].limits == TenantLimits(4, 2, 2.0)
+    assert found[other].limits == TenantLimits()
+    add_key(str(path), "acme", limits=TenantLimits(max_running=1))  # rewrites every acme key's limits
+    assert {e["max_running"] for e in json.loads(path.read_text())["keys"] if e["tenant"] == "acme"} == {1}
+    entry = {"sha256": "0" * 64, "tenant": "a"}
+    with pytest.raises(ValueError, match=r"keys\[1\]: tenant 'a' has other limits in keys\[0\]"):
+        parse_keys(json.dumps({"keys": [{**entry, "weight": 2}, {**entry, "sha256": "1" * 64}]}), "f.json")
+    for bad, message in (({"max_running": 0}, "max_running 0 must be >= 1"), ({"weight": "x"}, "weight"),
+                         ({"max_queued": 1.5}, "max_queued")):
+        with pytest.raises(ValueError, match=rf"keys\[0\].*{message}"):
+            parse_keys(json.dumps({"keys": [{**entry, **bad}]}), "f.json")
+
+
+def test_apikey_add_takes_the_limits_flags(tmp_path, capsys):
+    from deploy.cli import main
+
+    path = tmp_path / "keys.json"
+    main(["apikey", "add", "--file", str(path), "--tenant", "acme", "--max-running", "3", "--weight", "0.5"])
+    key = capsys.readouterr().out.strip()
+    assert ApiKeys(str(path)).authenticate([("authorization", f"Bearer {key}")]).limits == TenantLimits(3, None, 0.5)
