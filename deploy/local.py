@@ -8,8 +8,8 @@ started again with the same flags after a backoff; a worker re-registers under t
 by itself, a prefill worker finds its SSD tier in the same data dir, the Conductor and the
 HTTP front come back on the same ports. ``stop`` sends SIGTERM (drain) front to back and
 then SIGKILL to whatever is left. Each process logs to ``<log_dir>/<name>.log`` (default
-``<data_dir>/logs``), appended to with a separator line at every start and never deleted;
-the state (``deploy/cluster_state.py``: processes, and the workers' loads from the
+``<data_dir>/logs``; files 0600 in a 0700 directory), appended to with a separator line at
+every start and never deleted; the state (``deploy/cluster_state.py``: processes, and the workers' loads from the
 Conductor's registry, polled every ``WORKERS_POLL_S``) is rewritten to ``state_file``
 (default ``<data_dir>/state.json``) on every change.
 """
@@ -40,7 +40,9 @@ from proto import internal_pb2_grpc as igrpc
 from runtime.auth import CONDUCTOR, OPERATOR, Member
 from runtime.certs import make_certs
 from runtime.grpc_server import TlsFiles
+from runtime.logs import private_log
 from runtime.ports import free_port
+from runtime.private import private_dir
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +104,7 @@ class LocalCluster:
         # The cluster secret every member proves it knows (runtime.auth); made once per data dir.
         self.secret_file = self.data_dir / "cluster.secret"
         if not self.secret_file.exists():
-            self.data_dir.mkdir(parents=True, exist_ok=True)
+            private_dir(self.data_dir)
             fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_hex(32))
@@ -189,7 +191,6 @@ class LocalCluster:
     def _spawn(self, name: str, role: str, args: list[str], nice: int = 0) -> None:
         """Starts process ``name`` and hands it to the supervisor, which starts it again the
         same way after a crash. Every start appends to its log, after a separator line."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         # MALLOC_ARENA_MAX: glibc gives each of a worker's ~35 threads its own arena, and the
         # prefill worker's RSS then keeps growing with freed but unreturned memory (bench/soak.py).
@@ -198,7 +199,7 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "deploy.cli", "serve", "--role", role, *args]
 
         def launch() -> subprocess.Popen:
-            with open(log_path, "a") as f:
+            with private_log(log_path) as f:  # 0600 in a 0700 directory
                 f.write(f"===== {time.strftime('%Y-%m-%d %H:%M:%S')} starting {name}: "
                         f"tidekv serve --role {role} {shlex.join(args)} =====\n")
                 f.flush()
