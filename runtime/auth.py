@@ -63,6 +63,7 @@ from runtime.signatures import (  # noqa: F401 - re-exported: the scheme's names
     Nonces,
     NonceStore,
     sign,
+    signed,
     verify,
 )
 
@@ -159,6 +160,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
     def __init__(self, rules: Rules, nonces: NonceStore | None = None):
         self.rules = rules
         self.nonces: NonceStore = nonces if nonces is not None else Nonces()
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
         self.floor_s = time.time() + MAX_LEAD_S
         time.sleep(max(0.0, self.floor_s - time.time()))
 
@@ -177,21 +179,23 @@ class AuthInterceptor(grpc.ServerInterceptor):
             return _refusing(handler, AuthError(grpc.StatusCode.PERMISSION_DENIED,
                                                 f"{method}: a client-streaming call cannot carry a body-bound "
                                                 f"signature"), method)
-        return self._checking(handler, method, dict(details.invocation_metadata))
+        wrapped = self._wrapped.get(method)
+        if wrapped is None or wrapped[0] is not handler:  # one wrapper per method's handler
+            wrapped = self._wrapped[method] = (handler, self._checking(handler, method))
+        return wrapped[1]
 
     def check(self, metadata: Mapping[str, str], method: str, body: bytes) -> str:
         """The principal of one call to ``method`` with request bytes ``body``, or AuthError."""
         return verify(metadata, method, body, self.rules.audience, self.rules.key_for(method), self.nonces,
                       self.floor_s)
 
-    def _checking(self, handler: grpc.RpcMethodHandler, method: str,
-                  metadata: Mapping[str, str]) -> grpc.RpcMethodHandler:
-        """``handler`` taking raw bytes: verified against the signature, then deserialized."""
+    def _checking(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        """``handler`` taking raw bytes: verified against the call's signature, then deserialized."""
         deserialize = handler.request_deserializer
 
         def parse(raw: bytes, context: grpc.ServicerContext):
             try:
-                self.check(metadata, method, raw)
+                self.check(dict(context.invocation_metadata()), method, raw)
             except AuthError as e:
                 refuse(context, e, method)
             try:
@@ -235,38 +239,6 @@ def _refusing(handler: grpc.RpcMethodHandler, error: AuthError, method: str) -> 
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(lambda it, ctx: unary(None, ctx), **kw)
     return grpc.stream_stream_rpc_method_handler(lambda it, ctx: stream(None, ctx), **kw)
-
-
-# ---- client side -------------------------------------------------------------------------------
-class _Signer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    def __init__(self, key: bytes, principal: str, audience: str):
-        self._key, self._principal, self._audience = key, principal, audience
-
-    def _details(self, details: grpc.ClientCallDetails, request) -> grpc.ClientCallDetails:
-        method = details.method.decode() if isinstance(details.method, bytes) else details.method
-        # The stub serializes the same message the same way (no map fields in our protos).
-        body = request if isinstance(request, bytes) else request.SerializeToString()
-        metadata = (*(details.metadata or ()), *sign(self._key, self._principal, method, self._audience, body))
-        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
-                            details.wait_for_ready, details.compression)
-
-    def intercept_unary_unary(self, continuation, details, request):
-        return continuation(self._details(details, request), request)
-
-    def intercept_unary_stream(self, continuation, details, request):
-        return continuation(self._details(details, request), request)
-
-
-class _CallDetails(grpc.ClientCallDetails):
-    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
-        self.method, self.timeout, self.metadata = method, timeout, metadata
-        self.credentials, self.wait_for_ready, self.compression = credentials, wait_for_ready, compression
-
-
-def signed(ch: grpc.Channel, key: bytes, principal: str, audience: str) -> grpc.Channel:
-    """``ch`` with every unary and server-streaming call signed as ``principal`` with ``key``
-    for the server whose principal is ``audience`` (``worker/<id>`` or ``conductor``)."""
-    return grpc.intercept_channel(ch, _Signer(key, principal, audience))
 
 
 # ---- grants ------------------------------------------------------------------------------------

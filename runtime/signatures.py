@@ -24,6 +24,9 @@ seen before (``NonceStore``); PERMISSION_DENIED when the principal may not call 
 
 ``NonceStore`` is pluggable: ``Nonces`` keeps them in this process's memory (the default);
 replicas that share one audience plug in a store they share.
+
+``signed(channel, key, principal, audience)`` is the caller's side: a channel that
+serializes each unary or server-streaming request once and signs exactly the bytes it sends.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ def body_digest(body: bytes) -> str:
 
 def _mac(key: bytes, principal: str, audience: str, method: str, ms: int, nonce: str, digest: str) -> str:
     text = f"tidekv/{VERSION}\n{principal}\n{audience}\n{method}\n{ms}\n{nonce}\n{digest}"
-    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+    return hmac.digest(key, text.encode(), "sha256").hex()
 
 
 def sign(key: bytes, principal: str, method: str, audience: str, body: bytes,
@@ -162,3 +165,94 @@ def verify(metadata: Mapping[str, str], method: str, body: bytes, audience: str,
     if not nonces.first_use(nonce, ms / 1000 + MAX_SKEW_S):
         raise _unauthenticated(f"replay: the credential of {principal} on {method} was used before")
     return principal
+
+
+# ---- the signing channel -----------------------------------------------------------------------
+class _Signing:
+    """Serializes a request once and signs exactly the bytes that will be sent."""
+
+    def __init__(self, key: bytes, principal: str, audience: str):
+        self.key, self.principal, self.audience = key, principal, audience
+
+    def __call__(self, method: str, serialize, request, metadata) -> tuple[bytes, tuple[tuple[str, str], ...]]:
+        body = serialize(request) if serialize is not None else request
+        return body, (*(metadata or ()), *sign(self.key, self.principal, method, self.audience, body))
+
+
+class _SignedUnaryUnary(grpc.UnaryUnaryMultiCallable):
+    def __init__(self, raw, method: str, serialize, signing: _Signing):
+        self._raw, self._method, self._serialize, self._signing = raw, method, serialize, signing
+
+    def __call__(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
+                 compression=None):
+        body, md = self._signing(self._method, self._serialize, request, metadata)
+        return self._raw(body, timeout, md, credentials, wait_for_ready, compression)
+
+    def with_call(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
+                  compression=None):
+        body, md = self._signing(self._method, self._serialize, request, metadata)
+        return self._raw.with_call(body, timeout, md, credentials, wait_for_ready, compression)
+
+    def future(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
+               compression=None):
+        body, md = self._signing(self._method, self._serialize, request, metadata)
+        return self._raw.future(body, timeout, md, credentials, wait_for_ready, compression)
+
+
+class _SignedUnaryStream(grpc.UnaryStreamMultiCallable):
+    def __init__(self, raw, method: str, serialize, signing: _Signing):
+        self._raw, self._method, self._serialize, self._signing = raw, method, serialize, signing
+
+    def __call__(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
+                 compression=None):
+        body, md = self._signing(self._method, self._serialize, request, metadata)
+        return self._raw(body, timeout, md, credentials, wait_for_ready, compression)
+
+
+class _SignedChannel(grpc.Channel):
+    """A channel whose unary and server-streaming calls carry a signature of the bytes they
+    send; client-streaming calls go unsigned (a server that needs a credential refuses them)."""
+
+    def __init__(self, inner: grpc.Channel, signing: _Signing):
+        self._inner, self._signing = inner, signing
+
+    def unary_unary(self, method, request_serializer=None, response_deserializer=None, **kwargs):
+        raw = self._inner.unary_unary(method, None, response_deserializer, **kwargs)
+        return _SignedUnaryUnary(raw, _text(method), request_serializer, self._signing)
+
+    def unary_stream(self, method, request_serializer=None, response_deserializer=None, **kwargs):
+        raw = self._inner.unary_stream(method, None, response_deserializer, **kwargs)
+        return _SignedUnaryStream(raw, _text(method), request_serializer, self._signing)
+
+    def stream_unary(self, method, request_serializer=None, response_deserializer=None, **kwargs):
+        return self._inner.stream_unary(method, request_serializer, response_deserializer, **kwargs)
+
+    def stream_stream(self, method, request_serializer=None, response_deserializer=None, **kwargs):
+        return self._inner.stream_stream(method, request_serializer, response_deserializer, **kwargs)
+
+    def subscribe(self, callback, try_to_connect=False):
+        self._inner.subscribe(callback, try_to_connect)
+
+    def unsubscribe(self, callback):
+        self._inner.unsubscribe(callback)
+
+    def close(self):
+        self._inner.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._inner.close()
+        return False
+
+
+def _text(method) -> str:
+    return method.decode() if isinstance(method, bytes) else method
+
+
+def signed(ch: grpc.Channel, key: bytes, principal: str, audience: str) -> grpc.Channel:
+    """``ch`` with every unary and server-streaming call signed as ``principal`` with ``key``
+    for the server whose principal is ``audience`` (``worker/<id>`` or ``conductor``). Each
+    request is serialized once; the signature covers exactly the bytes sent."""
+    return _SignedChannel(ch, _Signing(key, principal, audience))
