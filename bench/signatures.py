@@ -6,7 +6,7 @@ One decision is what the live Conductor does for one request, less the model: th
 (``ConductorCore.route`` for bench.conductor's 1,000-block prompt on 8 + 8 workers, memory
 index, ``mooncake``, keys given) and the four internal calls the gRPC dispatcher then makes,
 with the bodies it builds (``Reserve`` to a decode worker; ``Prefill`` with the prompt's
-16,001 token ids and 1,000 block keys, about 56 KB; ``Decode`` streaming one message;
+16,001 token ids and 1,000 block keys, about 42 KB; ``Decode`` streaming one message;
 ``Release``), to stub workers that answer at once, in another process on 127.0.0.1 (so this
 process is the Conductor side only, as in a cluster). Arms:
 
