@@ -13,8 +13,12 @@
    before the loss and the first after it, and the total time, against an undisturbed run of
    the same request (the same prompt under another tenant, so both are cold). Medians over
    repeats with fresh prompts; both runs' tokens are compared.
+3. Body- and audience-bound signatures: routing decisions per second, each decision with the
+   four internal calls a routed request makes, signed and verified against the same loop
+   unsigned, and the Conductor's CPU per decision (``bench/signatures.py`` says how).
 
 Usage: python -m bench.security [--quick] [--rounds 8] [--per-round 6] [--repeats 7]
+       [--parts tls_and_auth,decode_loss,signatures]
 """
 
 from __future__ import annotations
@@ -251,13 +255,24 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--per-round", type=int, default=6)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--parts", default="tls_and_auth,decode_loss,signatures",
+                   help="comma-separated parts to run (default: all)")
     args = p.parse_args()
+    parts = set(args.parts.split(","))
     rounds, per_round, repeats = (2, 3, 2) if args.quick else (args.rounds, args.per_round, args.repeats)
     with tempfile.TemporaryDirectory(prefix="tidekv-bench-security-") as tmp:
         work = Path(tmp)
-        out = {"tls_and_auth": tls_and_auth_cost(work, rounds, per_round, prompt_len=256, max_tokens=32),
-               "decode_loss": migration_cost(work, repeats, prompt_len=64, max_tokens=200),
-               "machine": {"cpus": os.cpu_count(), "load_1m_at_end": os.getloadavg()[0]}}
+        out: dict[str, Any] = {}
+        if "tls_and_auth" in parts:
+            out["tls_and_auth"] = tls_and_auth_cost(work, rounds, per_round, prompt_len=256, max_tokens=32)
+        if "decode_loss" in parts:
+            out["decode_loss"] = migration_cost(work, repeats, prompt_len=64, max_tokens=200)
+        if "signatures" in parts:
+            from bench.signatures import signature_cost
+
+            log("signatures: routing decisions with signed and unsigned internal calls")
+            out["signatures"] = signature_cost(rounds=4 if args.quick else 16, seconds=0.5 if args.quick else 1.0)
+        out["machine"] = {"cpus": os.cpu_count(), "load_1m_at_end": os.getloadavg()[0]}
     print(json.dumps(out, indent=2))
 
 

@@ -39,6 +39,7 @@ from replay.live import run_live_replay
 from replay.records import FINISHED
 from replay.traces import SYNTHETIC_TRACE, read_trace
 from replay.transform import ReplayRequest, TraceTransform, apply_transform
+from runtime.auth import worker_principal
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = SYNTHETIC_TRACE
@@ -114,7 +115,7 @@ def worker_stats(cluster: LocalCluster) -> dict[str, ipb.WorkerStats]:
     """Each registered worker's Stats (a worker that does not answer is left out)."""
     out = {}
     for info in cluster.workers().workers:
-        ch = cluster.channel(info.rpc_address)
+        ch = cluster.channel(info.rpc_address, worker_principal(info.worker_id))
         stub = igrpc.PrefillStub(ch) if info.role == ipb.WORKER_ROLE_PREFILL else igrpc.DecodeStub(ch)
         try:
             out[info.worker_id] = stub.Stats(ipb.StatsRequest(), timeout=5)

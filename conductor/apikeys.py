@@ -3,7 +3,8 @@
 Clients send ``authorization: Bearer <key>`` (gRPC metadata, or the HTTP header the OpenAI
 front forwards). The keys file holds only SHA-256 digests, one entry per key::
 
-    {"keys": [{"name": "acme-prod", "sha256": "<hex>", "tenant": "acme", "sub_tenants": ["acme/eu"]}]}
+    {"keys": [{"name": "acme-prod", "sha256": "<hex>", "tenant": "acme", "sub_tenants": ["acme/eu"],
+               "max_running": 8, "max_queued": 16, "weight": 2}]}
 
 A key is bound to its ``tenant``: a request's tenant is that tenant unless the request names
 one of the key's ``sub_tenants``; naming any other is PERMISSION_DENIED, and a missing or
@@ -12,6 +13,11 @@ tenant can neither reuse nor probe (through ``cached_tokens`` or timing) another
 The file is re-read when it changes (checked at most once a second), so keys are added and
 revoked without a restart; a file that stops parsing keeps the last good keys and says so.
 ``tidekv apikey add`` appends a new key and prints it once.
+
+The optional ``max_running``, ``max_queued`` and ``weight`` are the tenant's share of
+admission (``conductor.admission.TenantLimits``; unset: the cluster's limits, weight 1). They
+belong to the tenant, whichever of its keys (or sub-tenants) a request uses, so every key of
+one tenant must give the same ones (a file where they differ is an error naming both entries).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from pathlib import Path
 
 import grpc
 
+from conductor.admission import TenantLimits
 from runtime.auth import AuthError
 
 log = logging.getLogger(__name__)
@@ -41,6 +48,7 @@ class ApiKey:
     name: str
     tenant: str
     sub_tenants: tuple[str, ...] = ()
+    limits: TenantLimits = TenantLimits()  # the tenant's share of admission
 
     def tenant_for(self, requested: str) -> str:
         """The tenant a request of this key runs as; AuthError when it may not use ``requested``."""
@@ -58,6 +66,24 @@ def digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+LIMIT_FIELDS = ("max_running", "max_queued", "weight")
+
+
+def _limits(entry: dict, where: str) -> TenantLimits:
+    """The entry's optional admission limits; ValueError naming the field."""
+    for name in ("max_running", "max_queued"):
+        value = entry.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"{where}: \"{name}\" must be a whole number, got {value!r}")
+    weight = entry.get("weight", 1.0)
+    if not isinstance(weight, int | float) or isinstance(weight, bool):
+        raise ValueError(f"{where}: \"weight\" must be a number, got {weight!r}")
+    try:
+        return TenantLimits(entry.get("max_running"), entry.get("max_queued"), float(weight))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+
+
 def parse_keys(text: str, source: str) -> dict[str, ApiKey]:
     """digest -> key from a keys file's text; ValueError naming ``source`` and the entry."""
     try:
@@ -68,6 +94,7 @@ def parse_keys(text: str, source: str) -> dict[str, ApiKey]:
     if not isinstance(entries, list):
         raise ValueError(f"api keys file {source}: expected {{\"keys\": [...]}}")
     out: dict[str, ApiKey] = {}
+    limits_of: dict[str, tuple[int, TenantLimits]] = {}  # tenant -> (first entry giving them, limits)
     for i, e in enumerate(entries):
         where = f"api keys file {source}, keys[{i}]"
         if not isinstance(e, dict) or not isinstance(e.get("sha256"), str) or len(e["sha256"]) != 64:
@@ -77,7 +104,12 @@ def parse_keys(text: str, source: str) -> dict[str, ApiKey]:
             raise ValueError(f"{where}: needs a non-empty \"tenant\"")
         if not isinstance(subs, list) or not all(isinstance(s, str) and s for s in subs):
             raise ValueError(f"{where}: \"sub_tenants\" must be a list of non-empty strings")
-        out[e["sha256"].lower()] = ApiKey(str(e.get("name", f"key-{i}")), tenant, tuple(subs))
+        limits = _limits(e, where)
+        first, known = limits_of.setdefault(tenant, (i, limits))
+        if known != limits:
+            raise ValueError(f"{where}: tenant {tenant!r} has other limits in keys[{first}] ({known}); every key of "
+                             f"one tenant must give the same max_running, max_queued and weight")
+        out[e["sha256"].lower()] = ApiKey(str(e.get("name", f"key-{i}")), tenant, tuple(subs), limits)
     return out
 
 
@@ -136,16 +168,28 @@ class ApiKeys:
         return found
 
 
-def add_key(path: str, tenant: str, name: str = "", sub_tenants: Sequence[str] = ()) -> str:
+def add_key(path: str, tenant: str, name: str = "", sub_tenants: Sequence[str] = (),
+            limits: TenantLimits | None = None) -> str:
     """Appends a new key for ``tenant`` to the keys file (made, mode 0600, when missing) and
-    returns the key itself, which is stored nowhere."""
+    returns the key itself, which is stored nowhere. ``limits``: the tenant's admission share,
+    written on every key of the tenant (None: the new key takes those its other keys have)."""
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     p = Path(path)
     doc = json.loads(p.read_text()) if p.exists() else {"keys": []}
     parse_keys(json.dumps(doc), path)
     entry = {"name": name or f"{tenant}-{len(doc['keys'])}", "sha256": digest(key), "tenant": tenant,
              "sub_tenants": list(sub_tenants)}
+    if limits is None:  # the tenant's limits as its other keys give them
+        same = [e for e in doc["keys"] if e.get("tenant") == tenant]
+        entry.update({f: same[0][f] for f in LIMIT_FIELDS if same and f in same[0]})
     doc["keys"].append(entry)
+    if limits is not None:
+        for e in doc["keys"]:
+            if e.get("tenant") == tenant:
+                for f in LIMIT_FIELDS:
+                    e.pop(f, None)
+                e.update({f: v for f, v in (("max_running", limits.max_running), ("max_queued", limits.max_queued),
+                                            ("weight", limits.weight)) if v is not None})
     parse_keys(json.dumps(doc), path)
     tmp = p.with_name(p.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

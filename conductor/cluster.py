@@ -178,7 +178,7 @@ class Cluster:
             ep = self._endpoints.get(worker_id)
             if ep is None or ep.info != info:
                 key = session_key(self.member.secret, info.worker_id, info.instance_id)
-                ch = self.member.channel(info.rpc_address, key)
+                ch = self.member.channel(info.rpc_address, key, audience=worker_principal(info.worker_id))
                 is_prefill = info.role is WorkerRole.PREFILL
                 ep = self._endpoints[worker_id] = Endpoint(
                     info, igrpc.PrefillStub(ch) if is_prefill else None,

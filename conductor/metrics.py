@@ -42,6 +42,7 @@ OUTCOMES = ("stop", "length", "cancelled", "failed", "rejected", "invalid")
 # typo must not open an unbounded label).
 REASONS = frozenset({
     "none", "other", "client_gone", "invalid_argument", "queue_full", "unspecified",
+    "tenant_limit", "tenant_share",  # conductor.admission: a tenant over its limits or its share
     "no_workers", "decode_full", "ttft_slo", "tbt_slo",  # routing.RejectKind and the decode reservation
     "duplicate_id",  # a request id already in flight for the tenant
     "unavailable", "busy", "transfer", "deadline", "cancelled", "refused", "internal", "stalled",  # FailureKind

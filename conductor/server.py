@@ -4,8 +4,9 @@ service (``build(config)``, see ``runtime.service``) and as a process (``serve``
 Generate = authenticate (an API key, ``conductor.apikeys``: the tenant comes from it; without
 ``--api-keys`` only under a loud ``--insecure-no-auth``) -> parse (a malformed message or
 text that is not UTF-8 is INVALID_ARGUMENT, a message over ``--max-request-bytes`` is
-refused by gRPC unread) -> validate (INVALID_ARGUMENT naming the field) -> admission (RESOURCE_EXHAUSTED at
-once when the queue is full; a queued request waits for a running slot until its deadline or
+refused by gRPC unread) -> validate (INVALID_ARGUMENT naming the field) -> admission, weighted fair across tenants by
+their keys' limits (``conductor.admission``: RESOURCE_EXHAUSTED at once when the queue or the
+tenant's share is full; a queued request waits for a running slot until its deadline or
 ``max_queue_wait_s``, whichever is sooner) -> ``RequestLife.run`` (route, reserve, prefill,
 decode through the gRPC dispatcher). The cluster state (registry and block index) is this
 Conductor's own by default, or followed from the log that replicas share in a store with
@@ -29,7 +30,7 @@ from google.protobuf.message import DecodeError
 
 import engine
 from clusterstate.log import entry
-from conductor.admission import Admission
+from conductor.admission import Admission, TenantLimits
 from conductor.apikeys import ApiKey, ApiKeys
 from conductor.clock import Clock, SystemClock
 from conductor.cluster import Cluster
@@ -160,21 +161,23 @@ class InferenceService:
                 refuse(context, e, f"Generate as tenant {request.tenant!r}")
         client_left_s = context.time_remaining()
         deadline_s = min(valid.deadline_s, client_left_s if client_left_s is not None else math.inf)
-        refusal = self.admission.try_enter(timeout_s=min(deadline_s, self.config.max_queue_wait_s))
+        # Admission is shared by the key's tenant (its sub-tenants count as it), under its limits.
+        share = (key.tenant, key.limits) if key is not None else (valid.tenant, TenantLimits())
+        refusal = self.admission.try_enter(min(deadline_s, self.config.max_queue_wait_s), *share)
         if refusal is not None:
             # The wait ends at the deadline or at --max-queue-wait-s, whichever is sooner.
-            late = deadline_s <= self.config.max_queue_wait_s and "waited" in refusal
-            reason = "deadline" if late else "queue_full"
+            late = deadline_s <= self.config.max_queue_wait_s and refusal.kind == "waited"
+            reason = "deadline" if late else "queue_full" if refusal.kind == "waited" else refusal.kind
             self.records.count("rejected", reason=reason, tenant=valid.tenant)
             REFUSALS.log(logging.INFO, f"rejected:{reason}", "request %s rejected (%s): %s",
                          request.request_id or "(no id)", reason, refusal)
             context.set_trailing_metadata((("retry-after-s", "1"), ("reject-reason", reason)))
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          refusal + (" before the request's deadline" if late else ""))
+                          refusal.message + (" before the request's deadline" if late else ""))
         claim = self.live.claim(valid.tenant, request.request_id, failover=request.failover or bool(valid.resumed))
         if claim is None:
             self.records.count("rejected", reason="duplicate_id", tenant=valid.tenant)
-            self.admission.leave()
+            self.admission.leave(share[0])
             context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already in flight "
                                                           f"for this tenant; give each request its own id")
         life = RequestLife(self.core, self.dispatcher, self.tokenizer, valid, claim.request_id, next(self._seq),
@@ -200,7 +203,7 @@ class InferenceService:
             if life.cancelled:
                 self.records.count("client_cancelled")
             self.live.release(claim)
-            self.admission.leave()
+            self.admission.leave(share[0])
 
 
 class RegistryService(igrpc.RegistryServicer):
@@ -292,7 +295,7 @@ class Conductor(ServiceBase):
             [inference.add_to, lambda s: igrpc.add_RegistryServicer_to_server(registry, s)],
             ["tidekv.v1.Inference", "tidekv.v1.Registry"], config.host, config.port,
             max_workers=config.max_running + config.max_queued + 32,
-            interceptors=[member.interceptor(NEEDS, cluster.session_key_for)], tls=config.tls,
+            interceptors=[member.interceptor(NEEDS, cluster.session_key_for, shared.nonces())], tls=config.tls,
             max_receive_bytes=config.max_request_bytes,
         )
         self._closing.callback(self._running.stop, 0)

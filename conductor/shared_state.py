@@ -13,6 +13,7 @@ from clusterstate.redis_conn import connect, parse_store_url, read_password
 from clusterstate.redis_log import RedisLog, RedisLogConfig
 from clusterstate.state import ClusterState
 from conductor.config import ConductorConfig
+from runtime.auth import Nonces, NonceStore
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,22 @@ class SharedState:
     def shared(self) -> bool:
         """Whether other replicas read this state's log (a store), not only this Conductor."""
         return self.log.shared
+
+    def nonces(self) -> NonceStore:
+        """The signatures' nonce memory of this Conductor: its own, and with replicas also the
+        one they share in the store, so a call signed for one replica is refused by the others
+        (the audience of every replica is ``conductor``)."""
+        return ReplicaNonces(Nonces(), self.log) if self.shared else Nonces()
+
+
+class ReplicaNonces:
+    """First use here and in the store (while the store is down, here only)."""
+
+    def __init__(self, local: NonceStore, store: NonceStore):
+        self.local, self.store = local, store
+
+    def first_use(self, nonce: str, expires_s: float) -> bool:
+        return self.local.first_use(nonce, expires_s) and self.store.first_use(nonce, expires_s)
 
 
 def open_state(config: ConductorConfig, secret: bytes) -> SharedState:

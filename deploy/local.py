@@ -14,8 +14,8 @@ started again with the same flags after a backoff; a worker re-registers under t
 by itself, a prefill worker finds its SSD tier in the same data dir, the Conductor and the
 HTTP front come back on the same ports. ``stop`` sends SIGTERM (drain) front to back and
 then SIGKILL to whatever is left. Each process logs to ``<log_dir>/<name>.log`` (default
-``<data_dir>/logs``), appended to with a separator line at every start and never deleted;
-the state (``deploy/cluster_state.py``: processes, and the workers' loads from the
+``<data_dir>/logs``; files 0600 in a 0700 directory), appended to with a separator line at
+every start and never deleted; the state (``deploy/cluster_state.py``: processes, and the workers' loads from the
 Conductor's registry, polled every ``WORKERS_POLL_S``) is rewritten to ``state_file``
 (default ``<data_dir>/state.json``) on every change.
 """
@@ -44,10 +44,12 @@ from deploy.local_store import LocalStore
 from deploy.supervision import ProcessEvent, RestartPolicy, Supervisor
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
-from runtime.auth import OPERATOR, Member
+from runtime.auth import CONDUCTOR, OPERATOR, Member
 from runtime.certs import make_certs
 from runtime.grpc_server import TlsFiles
+from runtime.logs import private_log
 from runtime.ports import free_port
+from runtime.private import private_dir
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +119,7 @@ class LocalCluster:
         # The cluster secret every member proves it knows (runtime.auth); made once per data dir.
         self.secret_file = self.data_dir / "cluster.secret"
         if not self.secret_file.exists():
-            self.data_dir.mkdir(parents=True, exist_ok=True)
+            private_dir(self.data_dir)
             fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_hex(32))
@@ -227,7 +229,6 @@ class LocalCluster:
         """Starts process ``name`` and hands it to the supervisor, which starts it again the
         same way after a crash. Every start appends to its log, after a separator line. A
         ``member`` gets the cluster secret's file; the HTTP front, which signs nothing, does not."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         # MALLOC_ARENA_MAX: glibc gives each of a worker's ~35 threads its own arena, and the
         # prefill worker's RSS then keeps growing with freed but unreturned memory (bench/soak.py).
@@ -238,7 +239,7 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "deploy.cli", "serve", "--role", role, *args]
 
         def launch() -> subprocess.Popen:
-            with open(log_path, "a") as f:
+            with private_log(log_path) as f:  # 0600 in a 0700 directory
                 f.write(f"===== {time.strftime('%Y-%m-%d %H:%M:%S')} starting {name}: "
                         f"tidekv serve --role {role} {shlex.join(args)} =====\n")
                 f.flush()
@@ -248,9 +249,11 @@ class LocalCluster:
 
         self._supervisor.add(name, role, launch, log_path)
 
-    def channel(self, address: str) -> grpc.Channel:
-        """A channel to one of this cluster's processes, signed as an operator (a member)."""
-        return Member(self.secret_file.read_text().strip().encode(), OPERATOR, self.tls).channel(address)
+    def channel(self, address: str, audience: str = CONDUCTOR) -> grpc.Channel:
+        """A channel to one of this cluster's processes, signed as an operator (a member) for
+        ``audience``: ``CONDUCTOR``, or ``worker_principal(id)`` of the worker at ``address``."""
+        return Member(self.secret_file.read_text().strip().encode(), OPERATOR, self.tls).channel(address,
+                                                                                                 audience=audience)
 
     def _spawn_conductor(self, i: int) -> None:
         c = self.config

@@ -38,9 +38,13 @@ def _cmd_certs(args: argparse.Namespace) -> int:
 
 
 def _cmd_apikey_add(args: argparse.Namespace) -> int:
+    from conductor.admission import TenantLimits
     from conductor.apikeys import add_key
 
-    key = add_key(args.file, args.tenant, args.name, args.sub_tenant)
+    given = (args.max_running, args.max_queued, args.weight) != (None, None, None)
+    limits = TenantLimits(args.max_running, args.max_queued, 1.0 if args.weight is None else args.weight) \
+        if given else None
+    key = add_key(args.file, args.tenant, args.name, args.sub_tenant, limits)
     print(key)
     print(f"added a key for tenant {args.tenant!r} to {args.file}; it is shown only now (the file keeps its "
           f"SHA-256). Clients send it as 'authorization: Bearer <key>'.", file=sys.stderr)
@@ -65,4 +69,11 @@ def add_security_parsers(sub: argparse._SubParsersAction) -> None:
     add.add_argument("--tenant", required=True)
     add.add_argument("--name", default="")
     add.add_argument("--sub-tenant", action="append", default=[], help="a further tenant the key may use (repeat)")
+    add.add_argument("--max-running", type=int, default=None,
+                     help="the tenant's most running requests (default: the Conductor's --max-running)")
+    add.add_argument("--max-queued", type=int, default=None,
+                     help="the tenant's most requests waiting for a slot (default: the Conductor's --max-queued)")
+    add.add_argument("--weight", type=float, default=None,
+                     help="the tenant's weight when tenants contend for slots (default 1); the limits apply to "
+                          "every key of the tenant")
     add.set_defaults(func=_cmd_apikey_add)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from deploy.cluster_state import format_state, read_state, state_json
+from runtime.private import private_dir
 
 UP_RUNS_DIR = Path("~/.cache/tidekv/up")
 UP_RUNS_KEPT = 20
@@ -28,7 +29,7 @@ def new_up_run_dir() -> Path:
     """Makes UP_RUNS_DIR/<start time>-<pid> and removes the runs older than the newest UP_RUNS_KEPT."""
     runs = UP_RUNS_DIR.expanduser()
     run_dir = runs / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    run_dir.mkdir(parents=True)
+    private_dir(run_dir)  # its logs and state are the owner's only
     for old in sorted(p for p in runs.iterdir() if p.is_dir())[:-UP_RUNS_KEPT]:
         shutil.rmtree(old, ignore_errors=True)
     return run_dir

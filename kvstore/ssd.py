@@ -11,7 +11,8 @@ therefore sees either no file or a whole one; a SIGKILL or power cut leaves at m
 file, which ``rescan`` deletes. Every read verifies the payload (header, lengths, CRC-32,
 model fingerprint); a file that fails is deleted, logged at WARNING naming the block, reported
 to ``on_corrupt`` (the store counts it) and reported absent, never returned.
-Sizes are file lengths in bytes. Not thread-safe: used under the store's lock.
+Sizes are file lengths in bytes. Modes: the directory 0700, block files 0600 (a rescan
+narrows files an older version left wider). Not thread-safe: used under the store's lock.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 from kvstore.blocks import KEY_BYTES, BlockKey, Tier
 from kvstore.ledger import TierLedger
 from kvstore.payload import PayloadError, read_header, verify
+from runtime.private import FILE_MODE, private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +96,7 @@ class SsdTier:
     ) -> None:
         self.directory = Path(directory)
         self._on_corrupt = on_corrupt
-        self.directory.mkdir(parents=True, exist_ok=True)
+        private_dir(self.directory)  # block files hold prompts' KV: 0600 files in a 0700 directory
         self.ledger = TierLedger("ssd", capacity_bytes)
         self.model_fingerprint = model_fingerprint
         self.fsync = fsync
@@ -131,6 +133,7 @@ class SsdTier:
                 logger.warning("ssd: ignoring foreign file %s", entry.name)
                 continue
             found.append((entry.stat().st_mtime_ns, entry.name, key))
+            os.chmod(entry.name, FILE_MODE, dir_fd=self._dir_fd)
         found.sort(reverse=True)  # newest first: they win when the directory is over capacity
         kept: list[BlockKey] = []
         for _, name, key in found:
@@ -170,7 +173,7 @@ class SsdTier:
         return True
 
     def _write_file(self, name: str, parts: Sequence[Buffer]) -> None:
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=self._dir_fd)
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE, dir_fd=self._dir_fd)
         try:
             _write_all(fd, parts)
             if self.fsync:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from runtime.logs import private_log
 from runtime.ports import free_port
 
 RULES_PATH = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "rules.yml"
@@ -136,7 +137,7 @@ class LocalPrometheus:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.client = PrometheusClient(self.url)
-        self._log = open(self.dir / "prometheus.log", "w")  # noqa: SIM115 - closed by stop()
+        self._log = private_log(self.dir / "prometheus.log", truncate=True)  # closed by stop()
         self.proc = subprocess.Popen(
             [path, f"--config.file={self.dir / 'prometheus.yml'}", f"--storage.tsdb.path={self.dir / 'data'}",
              f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h", "--log.level=warn"],

@@ -67,6 +67,7 @@ class PrefillJob:
     deadline_s: float
     grant: bytes = b""  # the Conductor's grant for pulling from the holder (runtime.auth.grant)
     grant_expiry_ms: int = 0
+    holder_worker_id: str = ""  # the holder's id: the audience of the pull's PushBlocks call
 
 
 class StageClock:
@@ -274,7 +275,7 @@ class PrefillRunner:
         """Blocks from the holder worker; they are kept here too. [] when the pull fails."""
         try:
             blobs = self.hub.pull_blocks(f"{job.request_id}/pull", job.holder_rpc_address, keys, job.deadline_s,
-                                         job.request_id, job.grant, job.grant_expiry_ms)
+                                         job.request_id, job.grant, job.grant_expiry_ms, job.holder_worker_id)
             payloads = [decode(b, expected_fingerprint=self.model.fingerprint) for b in blobs]
         except (TransferError, PayloadError) as e:
             log.warning("request %s: pulling %d blocks from %s failed (%s); recomputing",

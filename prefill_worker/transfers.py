@@ -24,7 +24,7 @@ from kvstore.transfer.sender import Sender, connect
 from kvstore.transfer.sinks import BlobSink
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
-from runtime.auth import Member
+from runtime.auth import Member, worker_principal
 from runtime.grpc_server import channel
 
 log = logging.getLogger(__name__)
@@ -61,12 +61,15 @@ class TransferHub:
             return s
 
     def pull_blocks(self, transfer_id: str, holder_rpc_address: str, keys: list[bytes], timeout_s: float,
-                    request_id: str = "", grant: bytes = b"", grant_expiry_ms: int = 0) -> list[bytes]:
-        """Encoded payloads of keys from the holder, in order, under the Conductor's ``grant``
-        for ``request_id``. TransferError on any failure."""
+                    request_id: str = "", grant: bytes = b"", grant_expiry_ms: int = 0,
+                    holder_worker_id: str = "") -> list[bytes]:
+        """Encoded payloads of keys from the holder (worker ``holder_worker_id``, the audience
+        of the signed call), in order, under the Conductor's ``grant`` for ``request_id``.
+        TransferError on any failure."""
         sink = BlobSink()
         self.receiver.expect(transfer_id, sink, Expected(num_blobs=len(keys)), timeout_s)
-        ch = self.member.channel(holder_rpc_address) if self.member is not None else channel(holder_rpc_address)
+        ch = (self.member.channel(holder_rpc_address, audience=worker_principal(holder_worker_id))
+              if self.member is not None else channel(holder_rpc_address))
         stub = igrpc.PrefillStub(ch)
         try:
             stub.PushBlocks(ipb.PushBlocksRequest(transfer_id=transfer_id, block_keys=keys,

@@ -1,11 +1,11 @@
 """Who may call what: the cluster credential between Tidekv processes, grants, and TLS.
 
 Every process of a cluster holds the **cluster secret** S (a file of at least 32 random
-bytes, hex; ``tidekv secret`` makes one). Each internal gRPC call carries two metadata
-entries, added by ``signed_channel``'s interceptor and checked by ``AuthInterceptor``:
-
-    x-tidekv-principal: conductor | worker/<worker_id> | operator
-    x-tidekv-auth:      <unix ms>.<nonce hex>.<hex HMAC-SHA256(key, principal, method, ms, nonce)>
+bytes, hex; ``tidekv secret`` makes one). Each internal gRPC call is signed by the caller's
+channel (``signed``, ``Member.channel``) and checked by the server's ``AuthInterceptor``;
+the signature binds the principal, the method, the exact request body, the audience (the
+principal of the server it is for: ``worker/<id>`` or ``conductor``), a timestamp and a
+nonce (the scheme: ``runtime.signatures``).
 
 The key is what the call must prove (``Need``):
 
@@ -19,10 +19,12 @@ The key is what the call must prove (``Need``):
 - ``OPEN``: nothing (health, reflection, and the public ``Generate``, which checks API keys
   itself: ``runtime.apikeys``).
 
-A signature is accepted within ``MAX_SKEW_S`` of the server's clock and once (a nonce
-cache), so a recorded call cannot be replayed. A refused call ends with UNAUTHENTICATED
-(no or bad credential) or PERMISSION_DENIED (a valid member asking for what its principal
-may not do) and is logged at WARNING with the caller's address.
+A server accepts a signature once (its ``NonceStore``), only for its own audience, within
+the clock limits, and only if it was made after the server's start (its *floor*, so nothing
+recorded before a restart is accepted by the new process; nothing is persisted). A refused
+call ends with UNAUTHENTICATED (no or bad credential, naming what did not match) or
+PERMISSION_DENIED (a valid member asking for what its principal may not do) and is logged at
+WARNING with the caller's address.
 
 **Grants.** A pull (``Prefill/PushBlocks``) is allowed only for what the Conductor routed:
 the decision carries ``grant(K_holder, request_id, puller, destination, keys, expiry)``,
@@ -41,36 +43,38 @@ import hashlib
 import hmac
 import logging
 import secrets
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from runtime.grpc_server import TlsFiles, channel
 from runtime.logs import Throttled
+from runtime.signatures import (  # noqa: F401 - re-exported: the scheme's names, as callers import them
+    AUDIENCE_HEADER,
+    AUTH_HEADER,
+    MAX_LEAD_S,
+    MAX_SKEW_S,
+    PRINCIPAL_HEADER,
+    AuthError,
+    Nonces,
+    NonceStore,
+    sign,
+    signed,
+    verify,
+)
 
 log = logging.getLogger(__name__)
 _REFUSALS = Throttled(log)
 
-PRINCIPAL_HEADER = "x-tidekv-principal"
-AUTH_HEADER = "x-tidekv-auth"
 CONDUCTOR = "conductor"
 OPERATOR = "operator"
-MAX_SKEW_S = 60.0
 MIN_SECRET_BYTES = 32
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
                  "/grpc.reflection.v1.ServerReflection/")
-
-
-class AuthError(Exception):
-    """A credential that does not hold; ``code`` is the gRPC status to end the call with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 def worker_principal(worker_id: str) -> str:
@@ -109,63 +113,6 @@ def session_key(secret: bytes, worker_id: str, instance_id: str) -> bytes:
     return hmac.new(secret, f"tidekv/session\n{worker_id}\n{instance_id}".encode(), hashlib.sha256).digest()
 
 
-def _mac(key: bytes, principal: str, method: str, ms: int, nonce: str) -> str:
-    return hmac.new(key, f"{principal}\n{method}\n{ms}\n{nonce}".encode(), hashlib.sha256).hexdigest()
-
-
-def sign(key: bytes, principal: str, method: str, now_s: float | None = None) -> tuple[tuple[str, str], ...]:
-    """The metadata proving ``principal`` holds ``key`` for one call of ``method``."""
-    ms = int((time.time() if now_s is None else now_s) * 1000)
-    nonce = secrets.token_hex(12)
-    return ((PRINCIPAL_HEADER, principal), (AUTH_HEADER, f"{ms}.{nonce}.{_mac(key, principal, method, ms, nonce)}"))
-
-
-class Nonces:
-    """Nonces seen within the skew window (a signature is good once). Thread-safe."""
-
-    def __init__(self) -> None:
-        self._seen: dict[str, float] = {}
-        self._lock = threading.Lock()
-        self._next_prune = 0.0
-
-    def first_use(self, nonce: str, now_s: float) -> bool:
-        with self._lock:
-            if now_s >= self._next_prune:
-                self._seen = {n: t for n, t in self._seen.items() if t > now_s}
-                self._next_prune = now_s + 5.0
-            if nonce in self._seen:
-                return False
-            self._seen[nonce] = now_s + 2 * MAX_SKEW_S
-            return True
-
-
-def verify(metadata: Mapping[str, str], method: str, key_for: Callable[[str], bytes | None],
-           nonces: Nonces, now_s: float | None = None) -> str:
-    """The principal the call's metadata proves, or AuthError. ``key_for(principal)`` is the
-    key that principal must hold for this method (None: it may not call it)."""
-    principal, token = metadata.get(PRINCIPAL_HEADER, ""), metadata.get(AUTH_HEADER, "")
-    if not principal or not token:
-        raise AuthError(grpc.StatusCode.UNAUTHENTICATED, f"{method} needs a cluster credential "
-                        f"({PRINCIPAL_HEADER} and {AUTH_HEADER} metadata)")
-    parts = token.split(".")
-    if len(parts) != 3 or not parts[0].isdigit():
-        raise AuthError(grpc.StatusCode.UNAUTHENTICATED, f"malformed {AUTH_HEADER}")
-    ms, nonce, mac = int(parts[0]), parts[1], parts[2]
-    now = time.time() if now_s is None else now_s
-    if abs(now - ms / 1000) > MAX_SKEW_S:
-        raise AuthError(grpc.StatusCode.UNAUTHENTICATED,
-                        f"credential of {principal} is {now - ms / 1000:+.0f} s off this server's clock "
-                        f"(limit {MAX_SKEW_S:.0f} s)")
-    key = key_for(principal)
-    if key is None:
-        raise AuthError(grpc.StatusCode.PERMISSION_DENIED, f"{principal} may not call {method}")
-    if not hmac.compare_digest(mac, _mac(key, principal, method, ms, nonce)):
-        raise AuthError(grpc.StatusCode.UNAUTHENTICATED, f"bad credential for {principal} on {method}")
-    if not nonces.first_use(nonce, now):
-        raise AuthError(grpc.StatusCode.UNAUTHENTICATED, f"replayed credential of {principal} on {method}")
-    return principal
-
-
 # ---- server side -------------------------------------------------------------------------------
 class Need(enum.Enum):
     OPEN = "open"
@@ -177,11 +124,13 @@ class Need(enum.Enum):
 class Rules:
     """Per full method name (``/tidekv.v1.Registry/Heartbeat``), what a caller must prove; a
     method not named is refused (fail closed), except the open health and reflection services.
-    ``session_key_for(principal)``: the SESSION key of that principal here, or None."""
+    ``session_key_for(principal)``: the SESSION key of that principal here, or None.
+    ``audience``: this server's own principal, the audience its callers must sign for."""
 
     needs: Mapping[str, Need]
     secret: bytes
     session_key_for: Callable[[str], bytes | None]
+    audience: str
 
     def key_for(self, method: str) -> Callable[[str], bytes | None]:
         need = self.needs[method]
@@ -196,11 +145,24 @@ def current_principal(context: grpc.ServicerContext) -> str:
 
 
 class AuthInterceptor(grpc.ServerInterceptor):
-    """Checks every call against ``Rules`` before the servicer sees it."""
+    """Checks every call against ``Rules`` before the servicer sees it: the metadata and the
+    request bytes as received (it wraps the method's deserializer, so the servicer gets the
+    message only once its body matched the signature). Unary and server-streaming methods can
+    be signed; a client-streaming one that needs a credential is refused.
 
-    def __init__(self, rules: Rules):
+    ``nonces``: where used signatures are remembered (default: this process's memory;
+    replicas sharing one audience pass a shared ``NonceStore``). The **floor** is the
+    construction time plus ``MAX_LEAD_S`` (a client's clock may run that far ahead, so a
+    call the previous process accepted carries an earlier timestamp); signatures made
+    before it are refused, and construction blocks until the floor has passed, so a server
+    that binds its port afterwards refuses no honest caller. Thread-safe."""
+
+    def __init__(self, rules: Rules, nonces: NonceStore | None = None):
         self.rules = rules
-        self._nonces = Nonces()
+        self.nonces: NonceStore = nonces if nonces is not None else Nonces()
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self.floor_s = time.time() + MAX_LEAD_S
+        time.sleep(max(0.0, self.floor_s - time.time()))
 
     def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         method = details.method
@@ -210,13 +172,47 @@ class AuthInterceptor(grpc.ServerInterceptor):
         need = self.rules.needs.get(method)
         if need is Need.OPEN:
             return handler
-        try:
-            if need is None:
-                raise AuthError(grpc.StatusCode.PERMISSION_DENIED, f"{method} is not served to anyone")
-            verify(dict(details.invocation_metadata), method, self.rules.key_for(method), self._nonces)
-        except AuthError as e:
-            return _refusing(handler, e, method)
-        return handler
+        if need is None:
+            return _refusing(handler, AuthError(grpc.StatusCode.PERMISSION_DENIED,
+                                                f"{method} is not served to anyone"), method)
+        if handler.request_streaming:
+            return _refusing(handler, AuthError(grpc.StatusCode.PERMISSION_DENIED,
+                                                f"{method}: a client-streaming call cannot carry a body-bound "
+                                                f"signature"), method)
+        wrapped = self._wrapped.get(method)
+        if wrapped is None or wrapped[0] is not handler:  # one wrapper per method's handler
+            wrapped = self._wrapped[method] = (handler, self._checking(handler, method))
+        return wrapped[1]
+
+    def check(self, metadata: Mapping[str, str], method: str, body: bytes) -> str:
+        """The principal of one call to ``method`` with request bytes ``body``, or AuthError."""
+        return verify(metadata, method, body, self.rules.audience, self.rules.key_for(method), self.nonces,
+                      self.floor_s)
+
+    def _checking(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        """``handler`` taking raw bytes: verified against the call's signature, then deserialized."""
+        deserialize = handler.request_deserializer
+
+        def parse(raw: bytes, context: grpc.ServicerContext):
+            try:
+                self.check(dict(context.invocation_metadata()), method, raw)
+            except AuthError as e:
+                refuse(context, e, method)
+            try:
+                return deserialize(raw) if deserialize is not None else raw
+            except DecodeError as e:  # a member's malformed message: what gRPC itself would refuse
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {method} request: {e}")
+
+        kw = {"request_deserializer": None, "response_serializer": handler.response_serializer}
+        if handler.unary_unary:
+            behavior = handler.unary_unary
+            return grpc.unary_unary_rpc_method_handler(lambda raw, ctx: behavior(parse(raw, ctx), ctx), **kw)
+        stream = handler.unary_stream
+
+        def streaming(raw: bytes, context: grpc.ServicerContext):
+            yield from stream(parse(raw, context), context)
+
+        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
 
 
 def refuse(context: grpc.ServicerContext, error: AuthError, what: str) -> None:
@@ -235,7 +231,7 @@ def _refusing(handler: grpc.RpcMethodHandler, error: AuthError, method: str) -> 
         refuse(context, error, method)
         yield  # pragma: no cover - abort raised
 
-    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    kw = {"request_deserializer": None, "response_serializer": handler.response_serializer}
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(unary, **kw)
     if handler.unary_stream:
@@ -243,35 +239,6 @@ def _refusing(handler: grpc.RpcMethodHandler, error: AuthError, method: str) -> 
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(lambda it, ctx: unary(None, ctx), **kw)
     return grpc.stream_stream_rpc_method_handler(lambda it, ctx: stream(None, ctx), **kw)
-
-
-# ---- client side -------------------------------------------------------------------------------
-class _Signer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    def __init__(self, key: bytes, principal: str):
-        self._key, self._principal = key, principal
-
-    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        method = details.method.decode() if isinstance(details.method, bytes) else details.method
-        metadata = (*(details.metadata or ()), *sign(self._key, self._principal, method))
-        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
-                            details.wait_for_ready, details.compression)
-
-    def intercept_unary_unary(self, continuation, details, request):
-        return continuation(self._details(details), request)
-
-    def intercept_unary_stream(self, continuation, details, request):
-        return continuation(self._details(details), request)
-
-
-class _CallDetails(grpc.ClientCallDetails):
-    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
-        self.method, self.timeout, self.metadata = method, timeout, metadata
-        self.credentials, self.wait_for_ready, self.compression = credentials, wait_for_ready, compression
-
-
-def signed(ch: grpc.Channel, key: bytes, principal: str) -> grpc.Channel:
-    """``ch`` with every call signed as ``principal`` with ``key``."""
-    return grpc.intercept_channel(ch, _Signer(key, principal))
 
 
 # ---- grants ------------------------------------------------------------------------------------
@@ -317,13 +284,17 @@ class Member:
                              "cluster proves it knows one shared secret (make one with `tidekv secret --out FILE`)")
         return cls(load_secret(secret_file), principal, tls)
 
-    def channel(self, address: str, key: bytes | None = None) -> grpc.Channel:
-        """A channel to ``address`` whose calls are signed with ``key`` (default: the secret)."""
-        return signed(channel(address, self.tls), self.secret if key is None else key, self.principal)
+    def channel(self, address: str, key: bytes | None = None, *, audience: str) -> grpc.Channel:
+        """A channel to ``address`` whose calls are signed with ``key`` (default: the secret)
+        for ``audience``, the principal of the server at ``address``: ``worker_principal(id)``
+        of the worker dialled, or ``CONDUCTOR``."""
+        return signed(channel(address, self.tls), self.secret if key is None else key, self.principal, audience)
 
-    def interceptor(self, needs: Mapping[str, Need],
-                    session_key_for: Callable[[str], bytes | None]) -> AuthInterceptor:
-        return AuthInterceptor(Rules(needs, self.secret, session_key_for))
+    def interceptor(self, needs: Mapping[str, Need], session_key_for: Callable[[str], bytes | None],
+                    nonces: NonceStore | None = None) -> AuthInterceptor:
+        """The interceptor of a server that is this member: its audience is this member's
+        principal. ``nonces``: see ``AuthInterceptor`` (blocks up to ``MAX_LEAD_S``)."""
+        return AuthInterceptor(Rules(needs, self.secret, session_key_for, self.principal), nonces)
 
 
 @dataclass(frozen=True)
@@ -348,6 +319,7 @@ class WorkerCredential:
         """The key of the transfer engine's handshake (``TransferConfig.auth_key``), the same in every member."""
         return derive(self.member.secret, "transfer")
 
-    def interceptor(self, needs: Mapping[str, Need]) -> AuthInterceptor:
-        """SESSION calls to this worker are the Conductor's, signed with this instance's key."""
-        return self.member.interceptor(needs, lambda p: self.session_key if p == CONDUCTOR else None)
+    def interceptor(self, needs: Mapping[str, Need], nonces: NonceStore | None = None) -> AuthInterceptor:
+        """SESSION calls to this worker are the Conductor's, signed with this instance's key,
+        for the audience ``worker/<worker_id>``."""
+        return self.member.interceptor(needs, lambda p: self.session_key if p == CONDUCTOR else None, nonces)

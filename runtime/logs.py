@@ -1,17 +1,25 @@
-"""Log lines that a flood cannot turn into a flood of log lines.
+"""Log lines that a flood cannot turn into a flood of log lines, and log files only their owner reads.
 
 ``Throttled`` logs each kind of event (a key such as "refused:UNAUTHENTICATED") at most
 ``burst`` times, refilling at ``per_s`` a second (a token bucket per key). The next line
 that gets through says how many like it were left out, so nothing is silently lost.
 Thread-safe.
+
+``private_log`` opens a log file the way every log file we write is kept: mode 0600 in a
+0700 directory (log lines name request ids, tenants and addresses).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import TextIO
+
+from runtime.private import FILE_MODE, private_dir
 
 
 class Throttled:
@@ -37,3 +45,12 @@ class Throttled:
             msg, args = msg + " (%d more like it not logged)", (*args, suppressed)
         self.logger.log(level, msg, *args)
         return True
+
+
+def private_log(path: Path, truncate: bool = False) -> TextIO:
+    """``path`` opened for appending (``truncate``: emptied first), the file 0600 and its
+    directory 0700: made so, or narrowed when they exist. OSError as ``open`` raises it."""
+    private_dir(path.parent)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if truncate else 0), FILE_MODE)
+    os.fchmod(fd, FILE_MODE)
+    return os.fdopen(fd, "a")

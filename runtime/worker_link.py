@@ -27,7 +27,7 @@ from clusterstate.workers import WorkerLoad
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
 from proto.convert import load_to_proto
-from runtime.auth import WorkerCredential
+from runtime.auth import CONDUCTOR, WorkerCredential
 
 log = logging.getLogger(__name__)
 MAX_EVENTS_PER_HEARTBEAT = 20_000  # ~1 MB: within the Conductor's message limit
@@ -84,7 +84,8 @@ class WorkerLink:
             ch.close()
         self._current = (self._current + 1) % len(self._addresses)
         address, member = self._addresses[self._current], self._credential.member
-        self._channels = [member.channel(address), member.channel(address, self._credential.session_key)]
+        self._channels = [member.channel(address, audience=CONDUCTOR),
+                          member.channel(address, self._credential.session_key, audience=CONDUCTOR)]
         self._register_stub = igrpc.RegistryStub(self._channels[0])
         self._stub = igrpc.RegistryStub(self._channels[1])
 

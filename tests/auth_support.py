@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 
-from runtime.auth import OPERATOR, Member, new_secret
+from runtime.auth import CONDUCTOR, OPERATOR, Member, new_secret
 
 _dir = tempfile.mkdtemp(prefix="tidekv-test-secret-")
 atexit.register(shutil.rmtree, _dir, ignore_errors=True)
@@ -21,6 +21,7 @@ with os.fdopen(fd, "w") as f:
 SECRET_ENV = {"TIDEKV_CLUSTER_SECRET_FILE": SECRET_FILE}
 
 
-def operator_channel(address: str, secret_file: str = SECRET_FILE) -> grpc.Channel:
-    """A channel to a cluster process, signed as an operator with the cluster secret."""
-    return Member(Path(secret_file).read_text().strip().encode(), OPERATOR).channel(address)
+def operator_channel(address: str, secret_file: str = SECRET_FILE, audience: str = CONDUCTOR) -> grpc.Channel:
+    """A channel to a cluster process (the Conductor unless ``audience`` names a worker),
+    signed as an operator with the cluster secret."""
+    return Member(Path(secret_file).read_text().strip().encode(), OPERATOR).channel(address, audience=audience)

@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 from conductor.client import Client, Completion
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
+from runtime.auth import worker_principal
 
 
 def prompt(n: int, salt: int) -> list[int]:
@@ -25,7 +26,7 @@ def run_all(endpoint: str, requests: list, max_workers: int = 8) -> list[Complet
 def worker_stats(cluster) -> dict[str, ipb.WorkerStats]:
     out = {}
     for info in cluster.workers().workers:
-        ch = cluster.channel(info.rpc_address)
+        ch = cluster.channel(info.rpc_address, worker_principal(info.worker_id))
         stub = igrpc.PrefillStub(ch) if info.role == ipb.WORKER_ROLE_PREFILL else igrpc.DecodeStub(ch)
         out[info.worker_id] = stub.Stats(ipb.StatsRequest(), timeout=5)
         ch.close()

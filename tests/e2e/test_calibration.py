@@ -20,7 +20,7 @@ from costmodel.builtin import tiny_cpu_estimate
 from deploy.local import free_port
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
-from runtime.auth import Member, worker_principal
+from runtime.auth import CONDUCTOR, Member, worker_principal
 from runtime.grpc_server import channel
 from tests.auth_support import SECRET_ENV, SECRET_FILE
 from tests.e2e.conftest import make_cluster
@@ -70,7 +70,7 @@ def test_a_calibration_for_another_model_refuses_this_models_workers(tmp_path, r
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, **SECRET_ENV})
     try:
         member = Member(Path(SECRET_FILE).read_text().encode(), worker_principal("p0"))
-        stub = igrpc.RegistryStub(member.channel(f"127.0.0.1:{port}"))
+        stub = igrpc.RegistryStub(member.channel(f"127.0.0.1:{port}", audience=CONDUCTOR))
         info = ipb.WorkerInfo(worker_id="p0", role=ipb.WORKER_ROLE_PREFILL, rpc_address="127.0.0.1:1",
                               transfer_address="tcp://127.0.0.1:2", model_fingerprint=reference.fingerprint,
                               block_size=16, num_pages_total=8, instance_id="0123456789abcdef0123")

@@ -11,6 +11,7 @@ import pytest
 from conductor.client import Client
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
+from runtime.auth import worker_principal
 from tests.e2e.conftest import make_cluster
 from tests.e2e.helpers import prompt, wait_all_freed
 
@@ -25,7 +26,7 @@ def one_slot():
 
 def _prefilling(cluster, timeout_s: float = 60.0) -> None:
     infos = {w.worker_id: w for w in cluster.workers().workers}
-    stub = igrpc.PrefillStub(cluster.channel(infos["prefill-0"].rpc_address))
+    stub = igrpc.PrefillStub(cluster.channel(infos["prefill-0"].rpc_address, worker_principal("prefill-0")))
     until = time.monotonic() + timeout_s
     while stub.Stats(ipb.StatsRequest(), timeout=5).num_live_requests == 0:
         assert time.monotonic() < until, "the prefill never started"

@@ -31,6 +31,7 @@ from proto import internal_pb2_grpc as igrpc
 from replay.records import FINISHED
 from replay.traces import SYNTHETIC_TRACE, read_trace
 from replay.transform import ReplayRequest, TraceTransform, apply_transform
+from runtime.auth import worker_principal
 from tests.e2e.conftest import BLOCK, DECODE_ARGS, WORKER_ARGS
 from tests.e2e.helpers import wait_all_freed
 
@@ -107,7 +108,7 @@ def prefill_in_flight(cluster: LocalCluster) -> str:
     for info in cluster.workers().workers:
         if info.role != ipb.WORKER_ROLE_PREFILL:
             continue
-        ch = cluster.channel(info.rpc_address)
+        ch = cluster.channel(info.rpc_address, worker_principal(info.worker_id))
         try:
             if igrpc.PrefillStub(ch).Stats(ipb.StatsRequest(), timeout=2).num_live_requests > 0:
                 return info.worker_id

@@ -13,6 +13,7 @@ from deploy.local import ClusterConfig, LocalCluster
 from proto import inference_pb2 as pb
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
+from runtime.auth import worker_principal
 from tests.e2e.conftest import DECODE_ARGS, WORKER_ARGS
 from tests.e2e.helpers import prompt, run_all
 
@@ -98,8 +99,8 @@ def test_prefill_worker_killed_mid_prefill_fails_request_and_frees_decode(refere
     config = ClusterConfig(num_prefill=1, num_decode=1, prefill_args=WORKER_ARGS, decode_args=DECODE_ARGS)
     with LocalCluster(config) as cluster:
         infos = {w.worker_id: w for w in cluster.workers().workers}
-        prefill = igrpc.PrefillStub(cluster.channel(infos["prefill-0"].rpc_address))
-        decode = igrpc.DecodeStub(cluster.channel(infos["decode-0"].rpc_address))
+        prefill = igrpc.PrefillStub(cluster.channel(infos["prefill-0"].rpc_address, worker_principal("prefill-0")))
+        decode = igrpc.DecodeStub(cluster.channel(infos["decode-0"].rpc_address, worker_principal("decode-0")))
         client = Client(cluster.endpoint)
         call = client.stub.Generate(Client.request(prompt(3000, 800), max_tokens=5), timeout=120)
         deadline = time.monotonic() + 60
@@ -122,7 +123,7 @@ def test_request_retried_on_the_other_prefill_worker_when_its_worker_dies(refere
     request again to the survivor (nothing had reached the client) and it completes exactly."""
     config = ClusterConfig(num_prefill=2, num_decode=1, prefill_args=WORKER_ARGS, decode_args=DECODE_ARGS)
     with LocalCluster(config) as cluster:
-        stubs = {w.worker_id: igrpc.PrefillStub(cluster.channel(w.rpc_address))
+        stubs = {w.worker_id: igrpc.PrefillStub(cluster.channel(w.rpc_address, worker_principal(w.worker_id)))
                  for w in cluster.workers().workers if w.role == ipb.WORKER_ROLE_PREFILL}
         ids = prompt(3000, 900)
         client = Client(cluster.endpoint)

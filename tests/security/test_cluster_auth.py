@@ -80,7 +80,7 @@ def test_registry_needs_the_cluster_secret(cluster, reference):
     assert code_of(lambda: stub.Register(ipb.RegisterRequest(info=hijack), timeout=5)) == UNAUTH
     assert code_of(lambda: stub.Workers(ipb.WorkersRequest(), timeout=5)) == UNAUTH
     assert code_of(lambda: stub.Heartbeat(ipb.HeartbeatRequest(worker_id="decode-0"), timeout=5)) == UNAUTH
-    wrong = Member(b"0" * 64, worker_principal("decode-0")).channel(cluster.endpoint)
+    wrong = Member(b"0" * 64, worker_principal("decode-0")).channel(cluster.endpoint, audience=CONDUCTOR)
     assert code_of(lambda: igrpc.RegistryStub(wrong).Register(ipb.RegisterRequest(info=hijack), timeout=5)) == UNAUTH
     assert "refused /tidekv.v1.Registry/Register from" in log(cluster, "conductor")
     still_serves(cluster, reference, 100)
@@ -94,14 +94,14 @@ def test_a_member_cannot_take_a_live_workers_id(cluster, reference):
     hijack = ipb.WorkerInfo()
     hijack.CopyFrom(real)
     hijack.rpc_address, hijack.instance_id = "127.0.0.1:9", "e" * 32
-    member = Member(secret(cluster), worker_principal("prefill-0")).channel(cluster.endpoint)
+    member = Member(secret(cluster), worker_principal("prefill-0")).channel(cluster.endpoint, audience=CONDUCTOR)
     resp = igrpc.RegistryStub(member).Register(ipb.RegisterRequest(info=hijack), timeout=5)
     assert not resp.accepted and "alive" in resp.reason and real.rpc_address in resp.reason
     assert (f"refused Register of worker prefill-0 from 127.0.0.1:9: that id is alive at {real.rpc_address}"
             in log(cluster, "conductor"))
     beat = ipb.HeartbeatRequest(worker_id="prefill-0", load=ipb.WorkerLoad(num_free_pages=10**6))
     assert code_of(lambda: igrpc.RegistryStub(member).Heartbeat(beat, timeout=5)) == UNAUTH
-    other = Member(secret(cluster), worker_principal("mallory")).channel(cluster.endpoint)
+    other = Member(secret(cluster), worker_principal("mallory")).channel(cluster.endpoint, audience=CONDUCTOR)
     resp = igrpc.RegistryStub(other).Register(ipb.RegisterRequest(info=hijack), timeout=5)
     assert not resp.accepted and "may not register worker prefill-0" in resp.reason
     assert workers(cluster)["prefill-0"].rpc_address == real.rpc_address
@@ -115,16 +115,19 @@ def test_only_the_conductor_drives_workers(cluster, reference):
     reserve = ipb.ReserveRequest(request_id="stolen", prompt_tokens=1, max_tokens=10**5)
     prefill = ipb.PrefillRequest(request_id="forged", token_ids=[1, 2, 3],
                                  sampling=pb.SamplingParams(max_tokens=1), decode_transfer_address="tcp://127.0.0.1:9")
-    callers = {"nobody": channel, "operator": Member(secret(cluster), OPERATOR).channel,
+    callers = {"nobody": lambda address, audience: channel(address),
+               "operator": Member(secret(cluster), OPERATOR).channel,
                "conductor signing with the secret": Member(secret(cluster), CONDUCTOR).channel}
     for who, dial in callers.items():
-        decode, prefill_stub = igrpc.DecodeStub(dial(decode_addr)), igrpc.PrefillStub(dial(prefill_addr))
+        decode = igrpc.DecodeStub(dial(decode_addr, audience=worker_principal("decode-0")))
+        prefill_stub = igrpc.PrefillStub(dial(prefill_addr, audience=worker_principal("prefill-0")))
         want = DENIED if who == "operator" else UNAUTH
         assert code_of(decode.Reserve, reserve, timeout=5) == want, who
         assert code_of(decode.Release, ipb.ReleaseRequest(request_id="x"), timeout=5) == want, who
         assert code_of(lambda d: list(d.Decode(ipb.DecodeRequest(request_id="x"), timeout=5)), decode) == want, who
         assert code_of(prefill_stub.Prefill, prefill, timeout=5) == want, who
-    stats = igrpc.DecodeStub(cluster.channel(decode_addr)).Stats(ipb.StatsRequest(), timeout=5)
+    decode_stats = igrpc.DecodeStub(cluster.channel(decode_addr, worker_principal("decode-0")))
+    stats = decode_stats.Stats(ipb.StatsRequest(), timeout=5)
     assert stats.num_free_pages == stats.num_pages_total  # the refused Reserve took nothing
     assert "refused /tidekv.v1.Decode/Reserve from" in log(cluster, "decode-0")
     still_serves(cluster, reference, 300)
@@ -139,7 +142,7 @@ def test_push_blocks_needs_the_conductors_grant(cluster, reference):
     client.close()
     holder = workers(cluster)[out.prefill_worker]
     member = Member(secret(cluster), worker_principal("mallory"))
-    stub = igrpc.PrefillStub(member.channel(holder.rpc_address))
+    stub = igrpc.PrefillStub(member.channel(holder.rpc_address, audience=worker_principal(holder.worker_id)))
     keys = [b"k" * 32]
     base = dict(transfer_id="t", block_keys=keys, dest_transfer_address="tcp://127.0.0.1:9", request_id="r")
     forged, expiry = grant(b"x" * 32, "r", "mallory", "tcp://127.0.0.1:9", keys, 30)
@@ -153,11 +156,12 @@ def test_push_blocks_needs_the_conductors_grant(cluster, reference):
 
 
 def test_a_recorded_credential_cannot_be_replayed(cluster):
-    metadata = sign(secret(cluster), OPERATOR, "/tidekv.v1.Registry/Workers")
+    body = ipb.WorkersRequest().SerializeToString()
+    metadata = sign(secret(cluster), OPERATOR, "/tidekv.v1.Registry/Workers", CONDUCTOR, body)
     stub = igrpc.RegistryStub(channel(cluster.endpoint))
     assert stub.Workers(ipb.WorkersRequest(), metadata=metadata, timeout=5).workers
     assert code_of(lambda: stub.Workers(ipb.WorkersRequest(), metadata=metadata, timeout=5)) == UNAUTH
-    stale = sign(secret(cluster), OPERATOR, "/tidekv.v1.Registry/Workers", now_s=time.time() - 600)
+    stale = sign(secret(cluster), OPERATOR, "/tidekv.v1.Registry/Workers", CONDUCTOR, body, now_s=time.time() - 600)
     assert code_of(lambda: stub.Workers(ipb.WorkersRequest(), metadata=stale, timeout=5)) == UNAUTH
-    other_method = sign(secret(cluster), OPERATOR, "/tidekv.v1.Registry/Register")
+    other_method = sign(secret(cluster), OPERATOR, "/tidekv.v1.Registry/Register", CONDUCTOR, body)
     assert code_of(lambda: stub.Workers(ipb.WorkersRequest(), metadata=other_method, timeout=5)) == UNAUTH
