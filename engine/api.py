@@ -19,6 +19,7 @@ from engine.cache import CacheManager, SequenceCache
 from engine.checkpoint import CheckpointError, load_tensors, seeded_tensors
 from engine.config import TINY_SEED, ModelConfig, tiny_config
 from engine.model import HybridModel
+from engine.quant import PackedWeight
 from engine.sampler import SamplingParams, sample
 from engine.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -73,6 +74,10 @@ def _fingerprint(cfg: ModelConfig, tensors: dict[str, torch.Tensor], extra: str 
     h.update(json.dumps(cfg.to_dict(), sort_keys=True).encode() + extra.encode())
     for name in sorted(tensors):
         t = tensors[name]
+        if isinstance(t, PackedWeight):  # a quantized linear: its format, codes and scales
+            h.update(f"{name}:{list(t.shape)}:{t.format}/{t.group_size}".encode())
+            h.update(t.fingerprint_sample().numpy().tobytes())
+            continue
         h.update(f"{name}:{list(t.shape)}:{t.dtype}".encode())
         h.update(t.reshape(-1)[:64].float().numpy().tobytes())
     return h.hexdigest()

@@ -129,7 +129,10 @@ def save_checkpoint(
 
 
 def load_tensors(directory: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Reads every tensor of a checkpoint directory and checks names and shapes against ``cfg``."""
+    """Reads every tensor of a checkpoint directory and checks names and shapes against ``cfg``.
+
+    With a ``quantization_config`` in config.json, each quantized linear is one
+    ``engine.quant.PackedWeight`` under its ``.weight`` name (``engine/quant/loader.py``)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -146,11 +149,21 @@ def load_tensors(directory: str | Path, cfg: ModelConfig) -> dict[str, torch.Ten
     else:
         raise CheckpointError(f"{directory}: no model.safetensors nor model.safetensors.index.json")
     tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
     for fname in files:
         try:
-            tensors.update(load_file(str(directory / fname)))
+            part = load_file(str(directory / fname))
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{directory / fname}: cannot read safetensors file ({e})") from e
+        tensors.update(part)
+        origin.update(dict.fromkeys(part, str(directory / fname)))
+    from engine.quant import load_quant_config
+
+    qcfg = load_quant_config(directory)
+    if qcfg is not None:  # quantized linears become engine.quant.PackedWeight, checked by name and shape
+        from engine.quant.loader import take_packed
+
+        tensors = take_packed(tensors, origin, qcfg, expected_shapes(cfg))
     check_tensors(tensors, cfg)
     return tensors
 
