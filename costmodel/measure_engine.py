@@ -64,7 +64,7 @@ class PrefillBench:
     def __init__(self, model: HybridModel, block_size: int, snapshot_interval_blocks: int, max_tokens: int,
                  seed: int = 0):
         self.model, self.block_size = model, block_size
-        self.policy = SnapshotPolicy(snapshot_interval_blocks)
+        self.policy = SnapshotPolicy(snapshot_interval_blocks, has_state=model.cfg.cache_layout.has_state)
         self.cache = model.new_cache(num_pages=-(-max_tokens // block_size), num_slots=2, block_size=block_size)
         self.store = TieredStore(StoreConfig(model_fingerprint=model.fingerprint, dram_capacity_bytes=16 << 30,
                                              snapshot_interval_blocks=snapshot_interval_blocks))

@@ -63,7 +63,7 @@ class TransferBench:
         self.senders = {b: connect(self.receiver.addresses[b], self.config) for b in backends}
         self.pulls: dict[int, tuple[list[BlockKey], int]] = {}  # k -> (keys, tensor bytes)
         rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-        policy = SnapshotPolicy(snapshot_interval_blocks)
+        policy = SnapshotPolicy(snapshot_interval_blocks, has_state=model.cfg.cache_layout.has_state)
         for k in sorted(set(block_counts)):
             ids = [rng.randrange(model.cfg.vocab_size) for _ in range(k * block_size)]
             keys = chain_keys(ids, block_size, fp)

@@ -29,12 +29,12 @@ def sink_for(cache: CacheManager, seq: SequenceCache) -> PagePoolSink:
 
 
 def expected_for(cache: CacheManager, num_prompt_tokens: int) -> Expected:
-    """Every MLA layer's rows for the whole prompt, and every KDA layer's final state."""
-    cfg = cache.cfg
+    """Every MLA layer's rows for the whole prompt, and every KDA layer's final state (none for a
+    model whose cache layout has no state layers)."""
+    layout = cache.cfg.cache_layout
     return Expected(
-        mla_layers=cfg.mla_layer_ids, token_start=0, token_end=num_prompt_tokens,
-        mla_row_shape=(cfg.latent_dim,), mla_dtype=cache.pool.kv.dtype,
-        kda_layers=cfg.kda_layer_ids,
-        kda_state_shape=(cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim),
-        kda_conv_shape=(cfg.conv_window_len, cfg.conv_channels), kda_dtype="float32",
+        mla_layers=layout.mla_layer_ids, token_start=0, token_end=num_prompt_tokens,
+        mla_row_shape=(layout.latent_dim,), mla_dtype=cache.pool.kv.dtype,
+        kda_layers=layout.state_layer_ids, kda_state_shape=layout.state_shape,
+        kda_conv_shape=layout.conv_shape, kda_dtype="float32",
     )

@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--api-key", default=os.environ.get("TIDEKV_API_KEY", ""),
                    help="--endpoint: the cluster's API key (default: $TIDEKV_API_KEY)")
     g.add_argument("--tls-ca", default="", help="--endpoint: PEM CA of a Conductor serving TLS")
-    g.add_argument("--model", default="tiny", help="'tiny' or a checkpoint directory")
+    g.add_argument("--model", default="tiny", help="'tiny', 'tiny-k2' or a checkpoint directory")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -263,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run a local cluster (Conductor + workers) until Ctrl-C")
     up.add_argument("--prefill", type=int, default=1)
     up.add_argument("--decode", type=int, default=1)
-    up.add_argument("--model", default="tiny")
+    up.add_argument("--model", default="tiny", help="'tiny' (Kimi Linear), 'tiny-k2' (the K2 architecture) or a "
+                                                    "checkpoint directory")
     up.add_argument("--policy", default="mooncake")
     up.add_argument("--index", default="memory", help="memory or redis://127.0.0.1:6379")
     up.add_argument("--port", type=int, default=50051)

@@ -1,10 +1,12 @@
-"""The Kimi-Linear hybrid engine (KDA + MLA + MoE) with a paged MLA cache and KDA state slots.
+"""The engine: Kimi Linear (KDA + MLA + MoE) and DeepSeek-V3/K2 (MLA with RoPE + DeepSeek MoE)
+with a paged MLA cache and KDA state slots.
 
 Public API (stable; other packages use only these):
 ``load_model``, ``load_config``, ``load_tokenizer``, ``prompt_logits``, ``generate``,
 ``export_prefix``/``import_prefix``
 (``CacheExport``), ``SamplingParams``/``sample``, ``HybridModel``, ``CacheManager``,
-``SequenceCache``, ``ModelConfig``, ``CheckpointError``.
+``SequenceCache``, ``ModelConfig`` (its ``cache_layout``: ``CacheLayout``), ``CheckpointError``,
+``BUILTIN_MODELS`` (the names ``load_model`` builds from a seed).
 """
 
 from engine.api import (
@@ -21,12 +23,16 @@ from engine.api import (
 )
 from engine.cache import CacheManager, SequenceCache
 from engine.checkpoint import CheckpointError
-from engine.config import ModelConfig, tiny_config
+from engine.config import BUILTIN_CONFIGS, ModelConfig, tiny_config, tiny_k2_config
+from engine.layout import CacheLayout
 from engine.model import HybridModel
 from engine.sampler import SamplingParams, sample
 
+BUILTIN_MODELS = tuple(BUILTIN_CONFIGS)
+
 __all__ = [
-    "DEFAULT_BLOCK_SIZE", "CacheExport", "CacheManager", "CheckpointError", "HybridModel", "ModelConfig",
-    "SamplingParams", "SequenceCache", "check_prompt", "export_prefix", "generate", "import_prefix",
-    "load_config", "load_model", "load_tokenizer", "prompt_logits", "sample", "tiny_config",
+    "BUILTIN_MODELS", "DEFAULT_BLOCK_SIZE", "CacheExport", "CacheLayout", "CacheManager", "CheckpointError",
+    "HybridModel", "ModelConfig", "SamplingParams", "SequenceCache", "check_prompt", "export_prefix", "generate",
+    "import_prefix", "load_config", "load_model", "load_tokenizer", "prompt_logits", "sample", "tiny_config",
+    "tiny_k2_config",
 ]

@@ -17,7 +17,7 @@ import torch
 
 from engine.cache import CacheManager, SequenceCache
 from engine.checkpoint import CheckpointError, load_tensors, seeded_tensors
-from engine.config import TINY_SEED, ModelConfig, tiny_config
+from engine.config import BUILTIN_CONFIGS, TINY_SEED, ModelConfig
 from engine.model import HybridModel
 from engine.quant import PackedWeight
 from engine.sampler import SamplingParams, sample
@@ -27,7 +27,9 @@ DEFAULT_BLOCK_SIZE = 32
 
 
 def load_model(path_or_name: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> HybridModel:
-    """``"tiny"`` (seeded built-in) or a checkpoint directory with config.json + safetensors.
+    """A built-in model by name (``"tiny"``: Kimi Linear, ``"tiny-k2"``: DeepSeek-V3/K2; seeded
+    weights) or a checkpoint directory with config.json + safetensors (architecture chosen by
+    its ``model_type`` / ``architectures``).
 
     Raises CheckpointError / ValueError naming the offending key or tensor; nothing is built
     until every tensor has been checked. On CPU this turns on flush-to-zero for denormals
@@ -35,8 +37,8 @@ def load_model(path_or_name: str, device: str = "cpu", dtype: torch.dtype = torc
     """
     if device == "cpu":
         torch.set_flush_denormal(True)
-    if path_or_name == "tiny":
-        cfg = tiny_config()
+    if path_or_name in BUILTIN_CONFIGS:
+        cfg = BUILTIN_CONFIGS[path_or_name]()
         tensors = seeded_tensors(cfg, TINY_SEED)
         fingerprint = _fingerprint(cfg, tensors, extra=f"tiny-seed-{TINY_SEED}")
         tokenizer = ByteTokenizer(cfg.vocab_size)
@@ -52,18 +54,19 @@ def load_model(path_or_name: str, device: str = "cpu", dtype: torch.dtype = torc
 
 def load_config(path_or_name: str) -> ModelConfig:
     """The config alone (no weights): what a Conductor needs to validate and tokenize."""
-    if path_or_name == "tiny":
-        return tiny_config()
+    if path_or_name in BUILTIN_CONFIGS:
+        return BUILTIN_CONFIGS[path_or_name]()
     path = Path(path_or_name) / "config.json"
     if not path.is_file():
-        raise CheckpointError(f"{path_or_name!r} is neither 'tiny' nor a directory with config.json")
+        raise CheckpointError(f"{path_or_name!r} is neither 'tiny' nor a directory with config.json "
+                              f"(built-in models: {', '.join(BUILTIN_CONFIGS)})")
     return ModelConfig.from_file(path)
 
 
 def load_tokenizer(path_or_name: str) -> ByteTokenizer | HFTokenizer:
     cfg = load_config(path_or_name)
     tok_path = Path(path_or_name) / "tokenizer.json"
-    if path_or_name != "tiny" and tok_path.exists():
+    if path_or_name not in BUILTIN_CONFIGS and tok_path.exists():
         return HFTokenizer(tok_path, cfg.eos_token_id)
     return ByteTokenizer(cfg.vocab_size)
 
@@ -149,11 +152,13 @@ class CacheExport:
 
 def export_prefix(cache: CacheManager, seq: SequenceCache, num_tokens: int) -> CacheExport:
     """Copies seq's cache for tokens [0, num_tokens). The KDA state must exist at that point:
-    either the current one (num_tokens == seq.num_tokens) or a snapshot taken in prefill."""
+    either the current one (num_tokens == seq.num_tokens) or a snapshot taken in prefill (a
+    model without KDA layers has none to keep: any block boundary works)."""
     if num_tokens % cache.block_size or not 0 < num_tokens <= seq.num_tokens:
         raise ValueError(f"export at {num_tokens}: must be a positive multiple of block_size "
                          f"{cache.block_size} and at most the {seq.num_tokens} cached tokens")
-    if num_tokens == seq.num_tokens:
+    if num_tokens == seq.num_tokens or not cache.cfg.cache_layout.has_state:
+        # Without state layers the (empty) state is the same at every boundary.
         state, conv = cache.slots.state[:, seq.slot].clone(), cache.slots.conv[:, seq.slot].clone()
     elif num_tokens in seq.snapshots:
         state, conv = (t.clone() for t in seq.snapshots[num_tokens])

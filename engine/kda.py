@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
+from engine.linear import linear_weight
 
 DEFAULT_CHUNK_TOKENS = 64
 # On CPU a chunk of 16 runs the delta rule about five times faster than 64 at 256 tokens: the
@@ -60,13 +61,13 @@ class KDAWeights:
         g = lambda n: t[prefix + n]  # noqa: E731
         names = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_a_proj")
         return cls(
-            w_in=torch.cat([g(n + ".weight") for n in names], 0),
+            w_in=torch.cat([linear_weight(t, prefix + n) for n in names], 0),
             conv=torch.cat([g("q_conv1d.weight"), g("k_conv1d.weight"), g("v_conv1d.weight")], 0).squeeze(1),
-            w_o=g("o_proj.weight"),
+            w_o=linear_weight(t, prefix + "o_proj"),
             a_neg=-g("A_log").float().reshape(-1, 1).exp(),
             dt_bias=g("dt_bias").float(),
-            w_fb=g("f_b_proj.weight"),
-            w_gb=g("g_b_proj.weight"),
+            w_fb=linear_weight(t, prefix + "f_b_proj"),
+            w_gb=linear_weight(t, prefix + "g_b_proj"),
             o_norm=g("o_norm.weight").float(),
         )
 

@@ -1,5 +1,7 @@
-"""The hybrid model: a stack of KDA and MLA layers with dense/MoE feed-forwards, run against
-a ``CacheManager``.
+"""The model: a stack of KDA and MLA layers with dense/MoE feed-forwards, run against a
+``CacheManager``. One class serves every architecture: Kimi Linear (KDA + MLA, NoPE) and
+DeepSeek-V3/K2 (MLA with decoupled RoPE only, so no KDA state); the layer map, the RoPE and the
+tensor names come from the config.
 
 Owns the two forward passes the servers use:
 - ``prefill``: one request, its uncached tokens in chunks (cut at a configured size and at
@@ -18,11 +20,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.arch import tensor_names
 from engine.cache import CacheManager, SequenceCache
 from engine.config import ModelConfig
 from engine.kda import KDALayer, KDAWeights, chunk_tokens_for
-from engine.mla import ExpandedPrefix, MLALayer, MLAWeights
+from engine.linear import linear_weight
+from engine.mla import Angles, ExpandedPrefix, MLALayer, MLAWeights
 from engine.moe import MLPWeights, MoE, MoEWeights
+from engine.rope import Rotary
 
 LayerHook = Callable[[int, int, int], None]
 """``hook(layer_id, token_start, token_end)``: called once a layer's cache for that range is written."""
@@ -58,20 +63,25 @@ class HybridModel:
         t = {n: v.to(device=device, dtype=torch.float32 if n.endswith(fp32_names) else dtype)
              for n, v in tensors.items()}
         self.embed = t["model.embed_tokens.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else t["lm_head.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else linear_weight(t, "lm_head")
         self.final_norm = t["model.norm.weight"]
+        self.rotary = Rotary(cfg.rope, cfg.qk_rope_head_dim, device) if cfg.rope is not None else None
         self.blocks = [self._block(t, i) for i in range(cfg.num_hidden_layers)]
 
     def _block(self, t: dict[str, torch.Tensor], i: int) -> Block:
         cfg, p = self.cfg, f"model.layers.{i}."
         if cfg.is_mla(i):
-            attn: KDALayer | MLALayer = MLALayer(cfg, MLAWeights.from_tensors(t, p + "self_attn."))
+            w = MLAWeights.from_tensors(t, p + "self_attn.", q_lora=cfg.q_lora_rank is not None)
+            attn: KDALayer | MLALayer = MLALayer(cfg, w, self.rotary)
             index = cfg.mla_layer_ids.index(i)
         else:
             attn = KDALayer(cfg, KDAWeights.from_tensors(t, p + "self_attn."), chunk_tokens_for(self.device))
             index = cfg.kda_layer_ids.index(i)
         if cfg.is_moe(i):
-            ffn: MLPWeights | MoE = MoE(cfg, MoEWeights.from_tensors(t, p + "block_sparse_moe.", cfg.num_experts))
+            names = tensor_names(cfg)
+            w_moe = MoEWeights.from_tensors(t, p + names.moe, cfg.num_experts,
+                                            (names.expert_gate, names.expert_up, names.expert_down))
+            ffn: MLPWeights | MoE = MoE(cfg, w_moe)
         else:
             ffn = MLPWeights.from_tensors(t, p + "mlp.")
         return Block(i, attn, ffn, t[p + "input_layernorm.weight"], t[p + "post_attention_layernorm.weight"], index)
@@ -81,6 +91,10 @@ class HybridModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(rms_norm(hidden, self.final_norm, self.cfg.rms_norm_eps), self.lm_head).float()
+
+    def _angles(self, positions: torch.Tensor) -> Angles | None:
+        """The rotary angles of ``positions`` [N], shared by every MLA layer; None without RoPE."""
+        return None if self.rotary is None else self.rotary.angles(positions, self.dtype)
 
     # ---- prefill ------------------------------------------------------------------------------
     def prefill(
@@ -92,7 +106,8 @@ class HybridModel:
         [len, vocab] if all_logits else [1, vocab] for the last token.
 
         Chunks are cut every ``chunk_tokens`` and at each absolute position in ``snapshot_at``,
-        where a copy of the KDA state is kept in ``seq.snapshots`` (no recomputation).
+        where a copy of the KDA state is kept in ``seq.snapshots`` (no recomputation). A model
+        without KDA layers keeps its (empty) state at those positions without cutting there.
         """
         start = seq.num_tokens
         end = start + len(token_ids)
@@ -101,11 +116,12 @@ class HybridModel:
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device)
         outs = []
         prefixes = self._expanded_prefixes(cache, seq, end)
-        for lo, hi in _chunks(start, end, chunk_tokens or self.prefill_chunk_tokens, snapshot_at):
+        cuts = snapshot_at if self.cfg.cache_layout.has_state else ()
+        for lo, hi in _chunks(start, end, chunk_tokens or self.prefill_chunk_tokens, cuts):
             hidden = self._prefill_chunk(cache, seq, ids[lo - start : hi - start], lo, on_layer, prefixes)
             seq.num_tokens = hi
-            if hi in snapshot_at:
-                seq.snapshots[hi] = (cache.slots.state[:, seq.slot].clone(), cache.slots.conv[:, seq.slot].clone())
+            for point in (p for p in snapshot_at if lo < p <= hi):  # == hi when there is state to cut for
+                seq.snapshots[point] = (cache.slots.state[:, seq.slot].clone(), cache.slots.conv[:, seq.slot].clone())
             outs.append(hidden if all_logits else hidden[-1:])
         return self.logits(torch.cat(outs) if all_logits else outs[-1])
 
@@ -126,11 +142,12 @@ class HybridModel:
         x = F.embedding(ids, self.embed)
         end = start + ids.shape[0]
         eps = self.cfg.rms_norm_eps
+        angles = self._angles(torch.arange(start, end, device=self.device))
         for blk in self.blocks:
             h = rms_norm(x, blk.in_norm, eps)
             if blk.is_mla:
-                rows = blk.attn.latents(h)
-                out = blk.attn.prefill(h, prefixes[blk.layer_id], rows)
+                rows = blk.attn.latents(h, angles)
+                out = blk.attn.prefill(h, prefixes[blk.layer_id], rows, angles)
                 cache.write_rows(seq, blk.cache_index, start, rows)
             else:
                 k, s = blk.cache_index, seq.slot
@@ -161,14 +178,15 @@ class HybridModel:
         slots = torch.tensor([s.slot for s in seqs], device=dev)
         x = F.embedding(torch.as_tensor(list(token_ids), device=dev), self.embed)
         eps = self.cfg.rms_norm_eps
+        angles = self._angles(pos)
         for blk in self.blocks:
             h = rms_norm(x, blk.in_norm, eps)
             if blk.is_mla:
                 kv = cache.pool.kv[blk.cache_index]
-                kv[write_page, write_off] = blk.attn.latents(h)
+                kv[write_page, write_off] = blk.attn.latents(h, angles)
                 # index_select: on CPU about 3x faster than advanced indexing for this gather
                 rows = kv.index_select(0, flat_table).reshape(len(seqs), max_pages * bs, -1)
-                out = blk.attn.decode(h, rows, valid)
+                out = blk.attn.decode(h, rows, valid, angles)
             else:
                 k = blk.cache_index
                 state = cache.slots.state[k].index_select(0, slots)

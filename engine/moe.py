@@ -26,8 +26,7 @@ class MLPWeights:
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str) -> MLPWeights:
-        return cls(fused(t, [prefix + "gate_proj.weight", prefix + "up_proj.weight"]),
-                   fused(t, [prefix + "down_proj.weight"]))
+        return cls(fused(t, [prefix + "gate_proj", prefix + "up_proj"]), fused(t, [prefix + "down_proj"]))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = linear(x, self.w_gate_up).chunk(2, -1)
@@ -43,13 +42,16 @@ class MoEWeights:
     shared: MLPWeights
 
     @classmethod
-    def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str, num_experts: int) -> MoEWeights:
+    def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str, num_experts: int,
+                     names: tuple[str, str, str] = ("w1", "w3", "w2")) -> MoEWeights:
+        """``names``: each expert's (gate, up, down) projection, as the checkpoint calls them."""
+        gate, up, down = names
         e = [f"{prefix}experts.{i}." for i in range(num_experts)]
         return cls(
             router=t[prefix + "gate.weight"].float(),
             bias=t[prefix + "gate.e_score_correction_bias"].float(),
-            w13=stacked([fused(t, [p + "w1.weight", p + "w3.weight"]) for p in e]),
-            w2=stacked([fused(t, [p + "w2.weight"]) for p in e]),
+            w13=stacked([fused(t, [p + gate, p + up]) for p in e]),
+            w2=stacked([fused(t, [p + down]) for p in e]),
             shared=MLPWeights.from_tensors(t, prefix + "shared_experts."),
         )
 

@@ -11,6 +11,16 @@ is cached, i.e. block i-1 carries a snapshot. Snapshots are large, so they are t
     boundary         1    2    3    4    5    6
     usable prefix = 4 blocks (boundary 4: blocks 0..3 present, block 3 has a snapshot);
     block 5's snapshot is unreachable because block 4 is missing.
+
+What a model carries follows its declared cache layout (``engine.CacheLayout``), never its
+name. A model without state layers (all attention, such as DeepSeek-V3/K2) has an empty state:
+its snapshot costs nothing, so ``SnapshotPolicy(..., has_state=False)`` keeps one at every
+block, every block is resumable and the rule above reduces to "every present block"::
+
+    block index      0    1    2    3    4    5
+    MLA present      y    y    y    y    n    y
+    snapshot         y    y    y    y    .    y     (empty: no state layers)
+    usable prefix = 4 blocks, the leading run of present blocks.
 """
 
 from __future__ import annotations
@@ -24,19 +34,26 @@ from kvstore.blocks import Tier
 @dataclasses.dataclass(frozen=True)
 class SnapshotPolicy:
     """Where KDA snapshots are taken: after every ``interval_blocks``-th block, and after the
-    last full block of each prompt."""
+    last full block of each prompt. ``has_state``: whether the model's cache layout has state
+    layers at all; without them the (empty) snapshot is kept at every block."""
 
     interval_blocks: int
+    has_state: bool = True
 
     def __post_init__(self) -> None:
         if self.interval_blocks <= 0:
             raise ValueError(f"interval_blocks must be positive, got {self.interval_blocks}")
 
+    @property
+    def every_block(self) -> int:
+        """The spacing actually used: 1 (every block) for a model without state layers."""
+        return self.interval_blocks if self.has_state else 1
+
     def snapshot_points(self, num_full_blocks: int) -> list[int]:
         """0-based indices of the blocks that carry a snapshot, ascending."""
         if num_full_blocks < 0:
             raise ValueError(f"num_full_blocks must be >= 0, got {num_full_blocks}")
-        points = list(range(self.interval_blocks - 1, num_full_blocks, self.interval_blocks))
+        points = list(range(self.every_block - 1, num_full_blocks, self.every_block))
         if num_full_blocks and (not points or points[-1] != num_full_blocks - 1):
             points.append(num_full_blocks - 1)
         return points
@@ -45,7 +62,7 @@ class SnapshotPolicy:
         """Whether block ``block_index`` of a prompt with ``num_full_blocks`` gets a snapshot."""
         if not 0 <= block_index < num_full_blocks:
             raise ValueError(f"block_index {block_index} outside [0, {num_full_blocks})")
-        return (block_index + 1) % self.interval_blocks == 0 or block_index == num_full_blocks - 1
+        return (block_index + 1) % self.every_block == 0 or block_index == num_full_blocks - 1
 
 
 def _is_present(entry: bool | Tier | None) -> bool:

@@ -2,7 +2,9 @@
 
 Owns ``BlockPayload`` (one block's MLA latent rows for every MLA layer, plus an optional KDA
 snapshot taken at the block's end) and the byte format every tier, file and transfer uses
-for it. No pickle: a fixed little-endian header followed by the raw tensor bytes.
+for it. No pickle: a fixed little-endian header followed by the raw tensor bytes. A model
+without KDA layers carries an empty snapshot (zero layers, zero bytes) on every block: the
+flag says the block is resumable, as it does for the hybrid.
 
 Layout (all integers little-endian; offsets in bytes)::
 

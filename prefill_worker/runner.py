@@ -126,7 +126,8 @@ class PrefillRunner:
         self.store = store
         self.hub = hub
         self.cache = cache
-        self.snapshots = SnapshotPolicy(snapshot_interval_blocks)
+        # A model without state layers (its cache layout says so) keeps an empty snapshot at every block.
+        self.snapshots = SnapshotPolicy(snapshot_interval_blocks, has_state=model.cfg.cache_layout.has_state)
         self._engine_lock = threading.Lock()
         self.draining = False
         self._waiting = 0

@@ -16,7 +16,7 @@ TRANSFER_BACKENDS = ("tcp", "shm", "ucx")
 @dataclass(frozen=True)
 class WorkerConfig:
     conductor: str = field(default="", metadata={"help": "host:port of the Conductor (required)"})
-    model: str = field(default="tiny", metadata={"help": "'tiny' or a checkpoint directory"})
+    model: str = field(default="tiny", metadata={"help": "'tiny', 'tiny-k2' or a checkpoint directory"})
     host: str = field(default="127.0.0.1", metadata={"help": "address the gRPC and transfer servers bind"})
     advertise_host: str = field(default="", metadata={"help": "address registered with the Conductor "
                                                               "(default: --host, or 127.0.0.1 for 0.0.0.0)"})

@@ -35,11 +35,13 @@ def is_linear(name: str, shape: tuple[int, ...]) -> bool:
 
 
 def take_packed(tensors: Mapping[str, torch.Tensor], origin: Mapping[str, str], qcfg: QuantConfig,
-                shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor | PackedWeight]:
+                shapes: Mapping[str, tuple[int, ...]], prefix: str = "") -> dict[str, torch.Tensor | PackedWeight]:
     """``tensors`` with each quantized linear's parts replaced by a PackedWeight named ``M.weight``.
 
-    ``origin`` maps a tensor name to its file; ``shapes`` is the config's expected dense shapes.
-    Raises CheckpointError naming the file and tensor of the first problem.
+    ``origin`` maps a tensor name to its file; ``shapes`` is the config's expected dense shapes;
+    ``prefix`` is what the checkpoint puts before the model's names (K2.5's ``language_model.``),
+    part of the names ``targets`` and ``ignore`` match. Raises CheckpointError naming the file
+    and tensor of the first problem.
     """
     out: dict[str, torch.Tensor | PackedWeight] = dict(tensors)
     for name, shape in shapes.items():
@@ -47,7 +49,7 @@ def take_packed(tensors: Mapping[str, torch.Tensor], origin: Mapping[str, str], 
             continue
         module = name.removesuffix(".weight")
         file = origin.get(module + ".weight_packed", origin.get(name, "the checkpoint"))
-        scheme = qcfg.scheme_for(module, f"{file}: tensor {module}")
+        scheme = qcfg.scheme_for(prefix + module, f"{file}: tensor {prefix}{module}")
         if scheme is None:
             continue
         if not any(part in name for part in FEED_FORWARD):

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.checkpoint import CheckpointError
+from engine.linear import linear_weight
 from engine.quant.kernels import QuantLinear, build
 from engine.quant.packed import PackedWeight, cat_rows
 
@@ -22,8 +23,9 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
 
 
 def fused(t: Mapping[str, torch.Tensor | PackedWeight], names: Sequence[str]) -> Weight:
-    """The weights ``names`` (same input size) as one matmul: their rows concatenated in order."""
-    parts = [t[n] for n in names]
+    """The linear layers ``names`` (name prefixes, same input size) as one matmul: their weights'
+    rows concatenated in order."""
+    parts = [linear_weight(t, n) for n in names]
     if all(isinstance(p, torch.Tensor) for p in parts):
         return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
     if all(isinstance(p, PackedWeight) for p in parts):

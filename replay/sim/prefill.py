@@ -61,7 +61,9 @@ class SimPrefill:
         self.overheads = overheads
         self.live_costs = overheads.live_prefill(costs)  # the worker's own time; costs stays for pulls and sizes
         self.block_size = config.block_size
-        self.snapshots = SnapshotPolicy(config.snapshot_interval_blocks)
+        # The calibrated model's state size is its cache layout's: none (all attention) means every
+        # block carries its empty snapshot, as on a live worker.
+        self.snapshots = SnapshotPolicy(config.snapshot_interval_blocks, has_state=costs.snapshot_bytes > 0)
         tiers = {Tier.DRAM: SizedTier(Tier.DRAM, config.dram_bytes), Tier.SSD: SizedTier(Tier.SSD, config.ssd_bytes)}
         if config.device_bytes:
             tiers[Tier.DEVICE] = SizedTier(Tier.DEVICE, config.device_bytes)
