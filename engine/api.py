@@ -21,6 +21,7 @@ from engine.config import BUILTIN_CONFIGS, TINY_SEED, ModelConfig
 from engine.model import HybridModel
 from engine.quant import PackedWeight
 from engine.sampler import SamplingParams, sample
+from engine.tiktoken_tokenizer import RANKS_FILE, TiktokenTokenizer
 from engine.tokenizer import ByteTokenizer, HFTokenizer
 
 DEFAULT_BLOCK_SIZE = 32
@@ -63,11 +64,21 @@ def load_config(path_or_name: str) -> ModelConfig:
     return ModelConfig.from_file(path)
 
 
-def load_tokenizer(path_or_name: str) -> ByteTokenizer | HFTokenizer:
+def load_tokenizer(path_or_name: str) -> ByteTokenizer | HFTokenizer | TiktokenTokenizer:
+    """A checkpoint's ``tiktoken.model`` (+ ``tokenizer_config.json``: Kimi's), else its
+    ``tokenizer.json``, else (and for built-in models) the byte tokenizer."""
     cfg = load_config(path_or_name)
-    tok_path = Path(path_or_name) / "tokenizer.json"
-    if path_or_name not in BUILTIN_CONFIGS and tok_path.exists():
-        return HFTokenizer(tok_path, cfg.eos_token_id)
+    if path_or_name in BUILTIN_CONFIGS:
+        return ByteTokenizer(cfg.vocab_size)
+    directory = Path(path_or_name)
+    if (directory / RANKS_FILE).exists():
+        tok = TiktokenTokenizer(directory, cfg.eos_token_id)
+        if tok.vocab_size > cfg.vocab_size:
+            raise CheckpointError(f"{directory / RANKS_FILE}: the tokenizer has {tok.vocab_size} ids (ranks and "
+                                  f"special tokens), more than config.json's vocab_size {cfg.vocab_size}")
+        return tok
+    if (directory / "tokenizer.json").exists():
+        return HFTokenizer(directory / "tokenizer.json", cfg.eos_token_id)
     return ByteTokenizer(cfg.vocab_size)
 
 

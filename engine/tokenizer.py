@@ -1,4 +1,5 @@
-"""Tokenizers: a byte-level one for the built-in model, ``tokenizer.json`` for checkpoints.
+"""Tokenizers: a byte-level one for the built-in model, ``tokenizer.json`` for checkpoints (Kimi's
+``tiktoken.model`` is ``engine.tiktoken_tokenizer``).
 
 The byte tokenizer maps UTF-8 bytes to ids 0-255, with BOS=256 and EOS=257. The tiny model's
 vocabulary is larger than that; on decode, ids above 257 fold onto printable ASCII

@@ -19,8 +19,8 @@ import torch
 from engine.quant.formats import INT4, MXFP4, QuantConfig
 from engine.quant.loader import is_linear
 
-# Kimi-Linear names; K2-Thinking's own list says the same for its names: only routed experts are quantized.
-EXPERTS_ONLY = ("lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*\\.mlp\\..*")
+# K2-Thinking's ignore list: only routed experts are quantized (the patterns fit Kimi-Linear's names too).
+EXPERTS_ONLY = ("lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*")
 
 
 def quantization_config(format: str, ignore: Sequence[str] = EXPERTS_ONLY, group_size: int = 32) -> dict[str, Any]:
