@@ -113,6 +113,8 @@ def load_quant_config(directory: str | Path) -> QuantConfig | None:
 
 
 def _first_error(e: Any) -> str:
+    """The first pydantic error as ``key.path: message, got value`` (validator frames left out)."""
     err = e.errors()[0]
-    loc = ".".join(str(p) for p in err.get("loc", ()))
-    return f"{loc}: {err.get('msg')}" if loc else str(err.get("msg"))
+    loc = ".".join(str(p) for p in err.get("loc", ()) if not str(p).startswith("function-"))
+    got = f", got {err['input']!r}" if isinstance(err.get("input"), str | int | float) else ""
+    return f"{loc}: {err.get('msg')}{got}" if loc else f"{err.get('msg')}{got}"
