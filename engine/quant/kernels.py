@@ -4,9 +4,9 @@ Two forms, chosen once per linear by ``build`` (measured on this project's CPUs,
 thread; bench/engine.py reports the model-level figures):
 
 - ``Int4KernelLinear``: torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) on its own
-  packed layout, for INT4 with bf16 activations. At 1-8 rows it is 1.5-3x faster than a bf16
-  ``F.linear`` on the dense weight (it reads a quarter of the bytes); at 64+ rows it is 2-5x
-  slower (no reuse across rows). The kernel wants scales and zeros interleaved
+  packed layout, for INT4 with bf16 activations. At 1 row it is 2-3.5x faster than a bf16
+  ``F.linear`` on the dense weight (it reads a quarter of the bytes), at 8 rows about even,
+  at 64+ rows 2-5x slower (it reuses no weight across rows). The kernel wants scales and zeros interleaved
   ``[K/g, N, 2]``; zeros are 0 for a symmetric scheme, so only the scales stay resident and
   the pair is made per call by zero-extending each bf16 scale to 32 bits (about 3 us).
   Its fp32 and fp16 paths are scalar code (25-80x slower than dense), so never used.

@@ -177,3 +177,28 @@ def test_k2_thinking_int4_matches_transformers_on_dequantized(checkpoints):
         want = ref(torch.tensor([ids])).logits[0].float()
     assert (got - want).abs().max().item() < 1e-3
     assert expected_shapes(tiny_k2_config())["model.layers.1.mlp.experts.0.gate_proj.weight"] == (256, 256)
+
+
+# quantization_config in the shape K2-Thinking's config.json carries it.
+K2_THINKING_QUANTIZATION = {
+    "config_groups": {"group_0": {
+        "input_activations": None, "output_activations": None, "targets": ["Linear"],
+        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32, "num_bits": 4,
+                    "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True,
+                    "type": "int"}}},
+    "format": "pack-quantized",
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+    "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+}
+
+
+def test_k2_thinking_quantization_config_quantizes_routed_experts_only():
+    qcfg = QuantConfig.from_dict(K2_THINKING_QUANTIZATION, "config.json")
+    scheme = qcfg.scheme_for("model.layers.5.mlp.experts.383.down_proj", "t")
+    assert (scheme.format, scheme.group_size, scheme.group_name) == (INT4, 32, "group_0")
+    for dense in ("lm_head", "model.layers.5.self_attn.q_a_proj", "model.layers.5.self_attn.kv_b_proj",
+                  "model.layers.5.mlp.shared_experts.gate_proj", "model.layers.0.mlp.down_proj"):
+        assert qcfg.scheme_for(dense, "t") is None, dense
+    # K2.5 puts the text model under language_model.: its ignore patterns still match.
+    assert qcfg.scheme_for("language_model.model.layers.5.self_attn.o_proj", "t") is None
+    assert qcfg.scheme_for("language_model.model.layers.5.mlp.experts.0.up_proj", "t").format == INT4
