@@ -1,15 +1,22 @@
 """bf16 against INT4 and MXFP4 experts on one config, in one run (``bench.engine`` calls ``run``).
 
-For each precision the same built-in config's seeded weights are loaded in bf16 from a
-checkpoint directory: dense (the baseline), INT4 routed experts (compressed-tensors
-pack-quantized, as K2-Thinking ships them) and MXFP4 routed experts (as K3 ships them). Reported:
-resident weight bytes (all, and the routed experts alone, with the ratio to bf16), decode
-tokens/s at batch 1 and 8 over a cached context, and prefill tokens/s. Precisions alternate
-round by round, so outside load hits all three alike; ratios are per round (median, min, max).
+The default config, ``k2-shaped``, is tiny-k2 (DeepSeek-V3 with K2's choices) with K2's
+proportions where they decide the comparison: 64 experts, 8 per token, 7 MoE layers, so the
+active routed experts are about two thirds of the weight bytes a decode step reads (K2, with 8
+of 384 experts: about 70%), and a 256-token prefill chunk gives each expert ~32 rows rather than
+the ~64 of the built-in models' 8 experts. ``tiny`` and ``tiny-k2`` run as they are.
+
+For each precision the config's seeded weights are loaded in bf16 from a checkpoint directory:
+dense (the baseline), INT4 routed experts (compressed-tensors pack-quantized, as K2-Thinking
+ships them) and MXFP4 routed experts (as K3 ships them). Reported: resident weight bytes (all,
+and the routed experts alone, with the ratio to bf16), decode tokens/s at batch 1 and 8 over a
+cached context, and prefill tokens/s. Precisions alternate round by round, so outside load
+hits all three alike; ratios are per round (median, min, max).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -20,7 +27,7 @@ import torch
 import engine
 from bench.common import summary, timed
 from engine.checkpoint import expected_shapes, save_checkpoint, seeded_tensors
-from engine.config import BUILTIN_CONFIGS
+from engine.config import BUILTIN_CONFIGS, ModelConfig, tiny_k2_config
 from engine.quant import INT4, MXFP4, reference
 from engine.quant.accounting import weight_bytes
 
@@ -28,8 +35,16 @@ PRECISIONS = ("bf16", "int4", "mxfp4")
 FORMATS = {"int4": INT4, "mxfp4": MXFP4}
 
 
+def k2_shaped() -> ModelConfig:
+    return dataclasses.replace(tiny_k2_config(), num_hidden_layers=8, mla_layer_ids=tuple(range(8)), num_experts=64,
+                               num_experts_per_token=8, name="k2-shaped")
+
+
+CONFIGS: dict[str, Callable[[], ModelConfig]] = {"k2-shaped": k2_shaped, **BUILTIN_CONFIGS}
+
+
 def _models(config_name: str) -> dict[str, engine.HybridModel]:
-    cfg = BUILTIN_CONFIGS[config_name]()
+    cfg = CONFIGS[config_name]()
     dense = seeded_tensors(cfg, 11)
     models = {}
     with tempfile.TemporaryDirectory() as d:
