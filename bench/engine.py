@@ -4,7 +4,12 @@ Prints JSON: decode step time at batch 1 and 8 for contexts 512 and 2048, and pr
 tokens/s for 2048 and 8192 tokens, for both implementations, with ratios (ours / theirs) and
 their spread. ``prefill`` is the 2,048-token row; ``prefill_rows`` has every length. The two
 implementations alternate repeat by repeat, so load from other processes hits both alike.
-Usage: python -m bench.engine [--quick] [--threads N] [--prefill-only]
+``precision`` (``bench/precision.py``): on one config (``--precision-model``, default k2-shaped:
+tiny-k2 with K2's expert proportions), in bf16, the dense model against INT4 and MXFP4 routed
+experts: resident weight bytes, decode tokens/s at batch 1 and 8, prefill tokens/s, each with
+its ratio to bf16.
+Usage: python -m bench.engine [--quick] [--threads N] [--prefill-only] [--precision-only]
+       [--precision-model k2-shaped|tiny|tiny-k2]
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import tempfile
 import torch
 
 import engine
+from bench import precision
 from bench.common import summary, timed
 from engine.checkpoint import save_checkpoint, seeded_tensors
 from engine.config import tiny_config
@@ -79,9 +85,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer repeats, smaller contexts")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
+    ap.add_argument("--precision-only", action="store_true", help="only bf16 against INT4 and MXFP4")
+    ap.add_argument("--precision-model", default="k2-shaped", choices=sorted(precision.CONFIGS))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
+    precision_rows = precision.run(args.precision_model, args.quick)
+    if args.precision_only:
+        print(json.dumps({"threads": args.threads, "precision": precision_rows}, indent=2))
+        return
     from transformers import KimiLinearForCausalLM
 
     cfg = tiny_config()
@@ -110,6 +122,7 @@ def main() -> None:
         for row in result["prefill_rows"]:
             print(f"prefill {row['tokens']}: ours {row['ours_tok_s']:.0f} tok/s, transformers "
                   f"{row['transformers_tok_s']:.0f} tok/s, speedup {row['speedup']:.2f}", file=sys.stderr)
+    result["precision"] = precision_rows
     print(json.dumps(result, indent=2))
 
 

@@ -7,6 +7,8 @@ Public API (stable; other packages use only these):
 (``CacheExport``), ``SamplingParams``/``sample``, ``HybridModel``, ``CacheManager``,
 ``SequenceCache``, ``ModelConfig`` (its ``cache_layout``: ``CacheLayout``), ``CheckpointError``,
 ``BUILTIN_MODELS`` (the names ``load_model`` builds from a seed).
+A checkpoint's experts may be quantized as the family ships them (INT4, MXFP4: ``engine.quant``);
+its tokenizer may be Kimi's ``tiktoken.model`` (``engine.tiktoken_tokenizer``).
 """
 
 from engine.api import (

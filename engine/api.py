@@ -19,7 +19,9 @@ from engine.cache import CacheManager, SequenceCache
 from engine.checkpoint import CheckpointError, load_tensors, seeded_tensors
 from engine.config import BUILTIN_CONFIGS, TINY_SEED, ModelConfig
 from engine.model import HybridModel
+from engine.quant import PackedWeight
 from engine.sampler import SamplingParams, sample
+from engine.tiktoken_tokenizer import RANKS_FILE, TiktokenTokenizer
 from engine.tokenizer import CharTokenizer, HFTokenizer
 
 DEFAULT_BLOCK_SIZE = 32
@@ -62,11 +64,21 @@ def load_config(path_or_name: str) -> ModelConfig:
     return ModelConfig.from_file(path)
 
 
-def load_tokenizer(path_or_name: str) -> CharTokenizer | HFTokenizer:
+def load_tokenizer(path_or_name: str) -> CharTokenizer | HFTokenizer | TiktokenTokenizer:
+    """A checkpoint's ``tiktoken.model`` (+ ``tokenizer_config.json``: Kimi's), else its
+    ``tokenizer.json``, else (and for built-in models) one token per character."""
     cfg = load_config(path_or_name)
-    tok_path = Path(path_or_name) / "tokenizer.json"
-    if path_or_name not in BUILTIN_CONFIGS and tok_path.exists():
-        return HFTokenizer(tok_path, cfg.eos_token_id)
+    if path_or_name in BUILTIN_CONFIGS:
+        return CharTokenizer(cfg.vocab_size)
+    directory = Path(path_or_name)
+    if (directory / RANKS_FILE).exists():
+        tok = TiktokenTokenizer(directory, cfg.eos_token_id)
+        if tok.vocab_size > cfg.vocab_size:
+            raise CheckpointError(f"{directory / RANKS_FILE}: the tokenizer has {tok.vocab_size} ids (ranks and "
+                                  f"special tokens), more than config.json's vocab_size {cfg.vocab_size}")
+        return tok
+    if (directory / "tokenizer.json").exists():
+        return HFTokenizer(directory / "tokenizer.json", cfg.eos_token_id)
     return CharTokenizer(cfg.vocab_size)
 
 
@@ -76,6 +88,10 @@ def _fingerprint(cfg: ModelConfig, tensors: dict[str, torch.Tensor], extra: str 
     h.update(json.dumps(cfg.to_dict(), sort_keys=True).encode() + extra.encode())
     for name in sorted(tensors):
         t = tensors[name]
+        if isinstance(t, PackedWeight):  # a quantized linear: its format, codes and scales
+            h.update(f"{name}:{list(t.shape)}:{t.format}/{t.group_size}".encode())
+            h.update(t.fingerprint_sample().numpy().tobytes())
+            continue
         h.update(f"{name}:{list(t.shape)}:{t.dtype}".encode())
         h.update(t.reshape(-1)[:64].float().numpy().tobytes())
     return h.hexdigest()

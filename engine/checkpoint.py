@@ -154,6 +154,8 @@ def save_checkpoint(
 def load_tensors(directory: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Reads the model's tensors from a checkpoint directory (``model.safetensors``, or the shards
     ``model.safetensors.index.json`` lists) and checks names and shapes against ``cfg``.
+    With a ``quantization_config`` in config.json, each quantized linear is one
+    ``engine.quant.PackedWeight`` under its ``.weight`` name (``engine/quant/loader.py``).
 
     Names are the checkpoint's own, less ``cfg.tensor_prefix``; tensors outside it (a wrapper's
     vision parts) and multi-token-prediction layers are not read. Errors name the file and the
@@ -166,6 +168,13 @@ def load_tensors(directory: str | Path, cfg: ModelConfig) -> dict[str, torch.Ten
             if name in tensors:
                 raise CheckpointError(f"{directory / fname}: tensor {name} is also in {sources[name]}")
             tensors[name], sources[name] = t, str(directory / fname)
+    from engine.quant import load_quant_config
+
+    qcfg = load_quant_config(directory)
+    if qcfg is not None:  # quantized linears become engine.quant.PackedWeight, checked by name and shape
+        from engine.quant.loader import take_packed
+
+        tensors = take_packed(tensors, sources, qcfg, expected_shapes(cfg), cfg.tensor_prefix)
     check_tensors(tensors, cfg, sources, where=str(directory))
     return tensors
 

@@ -15,5 +15,7 @@ import torch
 
 def linear_weight(tensors: Mapping[str, torch.Tensor], prefix: str) -> torch.Tensor:
     """The ``[out, in]`` weight of the linear layer named ``prefix`` (already in the model's dtype
-    and device)."""
+    and device). For a layer a checkpoint quantizes it is an ``engine.quant.PackedWeight``; the
+    feed-forward layers take those through ``engine.quant.ops.fused``, and the loader refuses a
+    quantized layer anywhere else."""
     return tensors[prefix + ".weight"]

@@ -4,7 +4,8 @@ Owns the sigmoid router (correction bias for choice only, renormalised top-k wei
 routed scaling factor, optional group limit) and the expert dispatch. Dispatch never loops
 over tokens: small batches gather the chosen experts' weights and run batched matmuls; large
 ones sort tokens by expert and run one matmul per expert that received tokens (always on CPU,
-where gathering weights costs more memory traffic than it saves).
+where gathering weights costs more memory traffic than it saves, and for quantized experts,
+each an ``engine.quant`` linear).
 """
 
 from __future__ import annotations
@@ -15,30 +16,29 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.linear import linear_weight
+from engine.quant.ops import Weight, fused, linear, stacked
 
 
 @dataclass(frozen=True)
 class MLPWeights:
-    w_gate_up: torch.Tensor  # [2*I, hidden]: gate_proj | up_proj
-    w_down: torch.Tensor  # [hidden, I]
+    w_gate_up: Weight  # [2*I, hidden]: gate_proj | up_proj (dense, or one quantized linear)
+    w_down: Weight  # [hidden, I]
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str) -> MLPWeights:
-        return cls(torch.cat([linear_weight(t, prefix + "gate_proj"), linear_weight(t, prefix + "up_proj")], 0),
-                   linear_weight(t, prefix + "down_proj"))
+        return cls(fused(t, [prefix + "gate_proj", prefix + "up_proj"]), fused(t, [prefix + "down_proj"]))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.w_gate_up).chunk(2, -1)
-        return F.linear(F.silu(gate) * up, self.w_down)
+        gate, up = linear(x, self.w_gate_up).chunk(2, -1)
+        return linear(F.silu(gate) * up, self.w_down)
 
 
 @dataclass(frozen=True)
 class MoEWeights:
     router: torch.Tensor  # [E, hidden] fp32
     bias: torch.Tensor  # [E] fp32, used for choosing only
-    w13: torch.Tensor  # [E, 2*I, hidden]: w1 (gate) | w3 (up)
-    w2: torch.Tensor  # [E, hidden, I]
+    w13: torch.Tensor | tuple[Weight, ...]  # [E, 2*I, hidden]: w1 (gate) | w3 (up); per expert when quantized
+    w2: torch.Tensor | tuple[Weight, ...]  # [E, hidden, I]
     shared: MLPWeights
 
     @classmethod
@@ -50,8 +50,8 @@ class MoEWeights:
         return cls(
             router=t[prefix + "gate.weight"].float(),
             bias=t[prefix + "gate.e_score_correction_bias"].float(),
-            w13=torch.stack([torch.cat([linear_weight(t, p + gate), linear_weight(t, p + up)], 0) for p in e]),
-            w2=torch.stack([linear_weight(t, p + down) for p in e]),
+            w13=stacked([fused(t, [p + gate, p + up]) for p in e]),
+            w2=stacked([fused(t, [p + down]) for p in e]),
             shared=MLPWeights.from_tensors(t, prefix + "shared_experts."),
         )
 
@@ -65,8 +65,10 @@ class MoE:
         self.renormalize = cfg.moe_renormalize
         self.scaling = cfg.routed_scaling_factor
         # Gathering expert weights copies them; it only beats one matmul per expert on
-        # accelerators, where launches cost more than bytes. On CPU always group.
-        self.gather_max_pairs = 0 if w.w13.device.type == "cpu" else cfg.num_experts
+        # accelerators, where launches cost more than bytes. On CPU always group; quantized
+        # experts (a tuple of linears) always group too.
+        dense_accelerator = isinstance(w.w13, torch.Tensor) and w.w13.device.type != "cpu"
+        self.gather_max_pairs = cfg.num_experts if dense_accelerator else 0
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Chosen experts [N, k] and their weights [N, k] (fp32) for x [N, hidden]."""
@@ -112,8 +114,8 @@ class MoE:
         start = 0
         for e, cnt in enumerate(counts):
             if cnt:
-                gate, up = F.linear(xs[start : start + cnt], self.w.w13[e]).chunk(2, -1)
-                out[start : start + cnt] = F.linear(F.silu(gate) * up, self.w.w2[e])
+                gate, up = linear(xs[start : start + cnt], self.w.w13[e]).chunk(2, -1)
+                out[start : start + cnt] = linear(F.silu(gate) * up, self.w.w2[e])
                 start += cnt
         out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, out)

@@ -1,4 +1,5 @@
-"""Tokenizers: one token per character for the built-in model, ``tokenizer.json`` for checkpoints.
+"""Tokenizers: one token per character for the built-in model, ``tokenizer.json`` for checkpoints
+(Kimi's ``tiktoken.model`` is ``engine.tiktoken_tokenizer``).
 
 The built-in model's ``CharTokenizer`` gives every id exactly one character, so that any ids
 the model samples decode to text that encodes back to the same ids, one token per character

@@ -41,6 +41,11 @@ class ReflectionClient:
         body = {"token_ids": {"ids": list(token_ids)}, "sampling": {"max_tokens": max_tokens, **sampling}}
         return json_format.ParseDict(body, self._request())
 
+    def request_text(self, text: str, max_tokens: int, **sampling: Any):
+        """A GenerateRequest with a text prompt (the Conductor tokenizes it)."""
+        body = {"text": text, "sampling": {"max_tokens": max_tokens, **sampling}}
+        return json_format.ParseDict(body, self._request())
+
     def stream(self, request, timeout_s: float = 300.0) -> Iterator:
         """The response messages as they arrive."""
         return self._generate(request, timeout=timeout_s)
@@ -56,6 +61,7 @@ def fold(msgs: list, finish_reason: dict[int, str]) -> dict[str, Any]:
     first = msgs[0] if msgs else None
     return {
         "token_ids": [t for m in msgs for t in m.token_ids],
+        "text": "".join(m.text for m in msgs),
         "finish_reasons": [finish_reason[m.finish_reason] for m in msgs if m.finish_reason],
         "error": msgs[-1].error if msgs else "",
         "prefill_worker": first.prefill_worker if first else "",
