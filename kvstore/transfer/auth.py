@@ -60,12 +60,15 @@ def proof(key: bytes, peer_nonce: bytes, own_nonce: bytes) -> bytes:
 
 
 def connection_factory(
-    config: TransferConfig, on_connected: Callable[[FrameConnection], None] | None = None
+    config: TransferConfig,
+    on_connected: Callable[[FrameConnection], None] | None = None,
+    defer_data_bodies: bool = False,
 ) -> Callable[[], FrameConnection]:
     """Protocol factory of a stream connection that starts with the handshake's body limit
-    (``HANDSHAKE_BODY_BYTES`` when a key is set) until ``accept_peer``/``prove_to`` lift it."""
+    (``HANDSHAKE_BODY_BYTES`` when a key is set) until ``accept_peer``/``prove_to`` lift it
+    (``defer_data_bodies``: see ``wire.FrameConnection``)."""
     first_limit = HANDSHAKE_BODY_BYTES if config.auth_key else config.max_frame_bytes
-    return lambda: FrameConnection(first_limit, on_connected)
+    return lambda: FrameConnection(first_limit, on_connected, defer_data_bodies)
 
 
 def describe_peer(conn: FrameConnection) -> str:

@@ -137,6 +137,20 @@ class Sink(Protocol):
     def write(self, kind: Kind, layer: int, token_start: int, token_end: int, tensor: Any) -> None: ...
 
 
+class ViewSink(Sink, Protocol):
+    """A sink whose destination a stream backend can receive into (optional extension of ``Sink``).
+
+    ``views(kind, layer, token_start, token_end)`` returns writable uint8 arrays, in body order,
+    of exactly the chunk's bytes (or None: use ``write``), after the chunk was checked against
+    ``Expected``; ValueError rejects it. The body lands there before its checksum is verified
+    (as it arrives, piece by piece), and ``write`` is not called for it; a chunk that fails
+    fails the request, whose destination then holds garbage. So, as for any sink, nothing may
+    read the destination before ``wait_complete`` returns.
+    """
+
+    def views(self, kind: Kind, layer: int, token_start: int, token_end: int) -> list[Any] | None: ...
+
+
 class DirectSink(Sink, Protocol):
     """A sink whose destination lies in shareable memory (optional extension of ``Sink``).
 
@@ -260,7 +274,14 @@ class RecvLink(Protocol):
     closed_by_peer: bool
 
     async def next_frame(self) -> Frame | LinkClosed: ...
-    async def read_body(self, frame: Frame) -> memoryview: ...
+    async def read_body(self, frame: Frame) -> memoryview:
+        """The inline body of a control frame (ABORT's reason)."""
+
+    async def read_data(self, frame: Frame, targets: list[Any] | None) -> tuple[memoryview, int]:
+        """Receive a data frame's body into ``targets`` (writable uint8 arrays in body order) or,
+        with None, into a buffer of the link's, valid until ``release``; returns that buffer
+        (empty for targets) and the body's checksum under the header's algorithm."""
+
     def release(self, frame: Frame) -> None: ...
     def ack(self, seq: int) -> None: ...
     def reply(self, header: FrameHeader, payload: bytes = b"") -> None: ...

@@ -19,6 +19,8 @@ Python futures set by ucxx's notifier thread (``enable_python_future``), not by 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
 import itertools
 import logging
 import os
@@ -38,9 +40,10 @@ import ucxx  # after the environment defaults above
 from ucxx.exceptions import UCXError
 
 from kvstore.transfer.base import Address, Frame, LinkClosed, RecvLink, TransferConfig, TransferError
-from kvstore.transfer.frames import HEADER_BYTES, FrameError, FrameHeader, Kind, control_header
+from kvstore.transfer.direct import copy_with_checksum
+from kvstore.transfer.frames import HEADER_BYTES, FrameError, FrameHeader, Kind, checksum, control_header
 from kvstore.transfer.tcp import StreamListener, open_tcp, serve_factory
-from kvstore.transfer.wire import FrameConnection, StreamRecvLink, StreamSendLink, seal
+from kvstore.transfer.wire import FrameConnection, StreamRecvLink, StreamSendLink, land
 
 logger = logging.getLogger(__name__)
 _HELLO = struct.Struct("<I")  # tag prefix; followed by the receiver's UCX worker address
@@ -74,6 +77,19 @@ def _tag(prefix: int, seq: int) -> int:
     return (prefix << 32) | (seq & 0xFFFFFFFF)
 
 
+def _back_to_back(arrays: list[np.ndarray]) -> np.ndarray | None:
+    """One array over ``arrays`` when each starts where the one before ends (chunks cut from one
+    tensor), without copying; None otherwise. The caller keeps ``arrays`` alive while it is used."""
+    if len(arrays) == 1:
+        return arrays[0]
+    start = position = arrays[0].ctypes.data
+    for array in arrays:
+        if array.ctypes.data != position:
+            return None
+        position += array.nbytes
+    return np.ctypeslib.as_array((ctypes.c_uint8 * (position - start)).from_address(start))
+
+
 async def _race_close(op: Awaitable[Any], conn: FrameConnection, timeout_s: float, what: str) -> None:
     """Await a UCX operation unless the control connection closes or ``timeout_s`` passes."""
     task = asyncio.ensure_future(op)
@@ -93,12 +109,20 @@ async def _race_close(op: Awaitable[Any], conn: FrameConnection, timeout_s: floa
 
 
 class UcxSendLink(StreamSendLink):
-    """Sender end: header over TCP, body as a UCX tag message.
+    """Sender end: header over TCP, body as one UCX tag message.
 
     Sends are pipelined: ``send_data`` returns once the header is written and the body's tag
     send is posted; the sender's in-flight bound (ACK credit) limits how many are outstanding.
     A failed body send closes the control connection, which fails the sender.
+
+    Coalesced frames (several chunks' bodies) go as one message too: parts that lie back to
+    back in memory (chunks cut from one tensor) as one view of them, no copy; others gathered
+    into a buffer of the link's, checksummed block by block while copied (the checksum pass a
+    frame needs anyway, ``direct.copy_with_checksum``). Gather buffers are reused once their
+    send completed.
     """
+
+    MAX_GATHER_BUFFERS = 4
 
     def __init__(self, conn: FrameConnection, endpoint: Any, tag_prefix: int, config: TransferConfig):
         super().__init__(conn)
@@ -107,28 +131,53 @@ class UcxSendLink(StreamSendLink):
         self._timeout_s = config.deadline_s
         self._sends: set[asyncio.Future] = set()
         self._send_error: str | None = None
+        self._gather_free: list[np.ndarray] = []
 
-    coalesces = False  # one tag message per frame, from one buffer
+    coalesces = True  # several parts become one tag message
 
     async def send_data(self, header: FrameHeader, parts: Sequence[memoryview], corrupt: bool = False) -> None:
         if self._send_error is not None:
             raise ConnectionError(self._send_error)
-        header, parts = seal(header, parts, corrupt)
-        (body,) = parts
+        body, crc, gathered = self._one_body(header, parts)
+        if corrupt:  # fault injection: damage a copy after checksumming
+            body = body.copy()
+            body[len(body) // 2] ^= 0xFF
+        header = header._replace(body_checksum=crc)
         await self.conn.write(header.pack())
         if header.body_bytes:
             tag = _tag(self._tag_prefix, header.seq)
-            send = self._endpoint.send(np.frombuffer(body, dtype=np.uint8), tag=tag, force_tag=True)
+            send = self._endpoint.send(body, tag=tag, force_tag=True)
             task = asyncio.ensure_future(_race_close(send, self.conn, self._timeout_s, header.describe()))
             self._sends.add(task)
-            task.add_done_callback(self._on_sent)
+            # The callback holds the parts (and the buffer) until UCX is done with their memory.
+            task.add_done_callback(functools.partial(self._on_sent, keep=(parts, body), gathered=gathered))
 
-    def _on_sent(self, task: asyncio.Future) -> None:
+    def _one_body(self, header: FrameHeader, parts: Sequence[memoryview]) -> tuple[np.ndarray, int, np.ndarray | None]:
+        """The body as one uint8 array, its checksum, and the gather buffer it was copied into (None)."""
+        arrays = [np.frombuffer(part, dtype=np.uint8) for part in parts]
+        span = _back_to_back(arrays)
+        if span is not None:
+            return span, checksum(header.checksum_algo, span), None
+        buffer = self._take_gather(header.body_bytes)
+        body = buffer[: header.body_bytes]
+        return body, copy_with_checksum(header.checksum_algo, parts, [body]), buffer
+
+    def _take_gather(self, nbytes: int) -> np.ndarray:
+        for i, buffer in enumerate(self._gather_free):
+            if buffer.nbytes >= nbytes:
+                return self._gather_free.pop(i)
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def _on_sent(self, task: asyncio.Future, keep: object, gathered: np.ndarray | None) -> None:
         self._sends.discard(task)
-        if not task.cancelled() and task.exception() is not None and self._send_error is None:
-            self._send_error = str(task.exception())
-            logger.warning("ucx body send failed: %s", self._send_error)
-            self.conn.close()
+        if task.cancelled() or task.exception() is not None:
+            if not task.cancelled() and self._send_error is None:
+                self._send_error = str(task.exception())
+                logger.warning("ucx body send failed: %s", self._send_error)
+                self.conn.close()
+            return  # an unfinished operation may still read the gather buffer: never reuse it
+        if gathered is not None and len(self._gather_free) < self.MAX_GATHER_BUFFERS:
+            self._gather_free.append(gathered)
 
     async def send_truncated(self, header: FrameHeader, body: memoryview) -> None:
         """Fault injection: half a header, then end the stream."""
@@ -195,15 +244,16 @@ class UcxRecvLink(StreamRecvLink):
     async def next_frame(self) -> Frame | LinkClosed:
         return await self._ready.get()
 
-    async def read_body(self, frame: Frame) -> memoryview:
+    async def read_data(self, frame: Frame, targets: list | None) -> tuple[memoryview, int]:
+        """The body's tag message, then checksummed while it is copied into ``targets``."""
         header = frame.header
         if not self._has_ucx_body(frame):
             if header.kind.is_data and header.body_bytes > self._config.max_frame_bytes:
                 raise FrameError(f"{header.describe()}: {header.body_bytes} bytes exceed max_frame_bytes")
-            return await super().read_body(frame)
+            return await super().read_data(frame, targets)
         buffer, recv = self._bodies[header.seq]
         await _race_close(recv, self.conn, self._config.deadline_s, f"body of {header.describe()}")
-        return memoryview(buffer[: header.body_bytes])
+        return land(header, buffer[: header.body_bytes], targets)
 
     def release(self, frame: Frame) -> None:
         super().release(frame)
