@@ -19,6 +19,8 @@ Python futures set by ucxx's notifier thread (``enable_python_future``), not by 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import collections
 import ctypes
 import functools
 import itertools
@@ -26,7 +28,7 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,25 +52,95 @@ _HELLO = struct.Struct("<I")  # tag prefix; followed by the receiver's UCX worke
 _init_lock = threading.Lock()
 _initialized_options: tuple[tuple[str, str], ...] | None = None
 _tag_prefixes = itertools.count(1)  # process-wide: every connection to this worker gets its own
-# UCX operations given up on (peer gone, link closed). ucxx has no per-request cancel, and a
-# posted request keeps using its buffer, which its task keeps alive: so such tasks are never
-# cancelled, only parked here until UCX completes or fails them. I/O loop only.
-_orphans: set[asyncio.Future] = set()
+_stopped = False  # shutdown_ucx ran: the notifier thread is gone
 
 
-def _orphan(task: asyncio.Future) -> None:
+class Orphans:
+    """UCX operations one link gave up on (peer gone, link closed, no progress). ucxx has no
+    per-request cancel, and a posted request keeps using its buffer, which its task keeps
+    alive: so such tasks are never cancelled, only parked here (the module's ``_parked``
+    holds them) until UCX completes or fails them, typically with
+    ``UCXXConnectionResetError`` or ``UCXXError('Endpoint timeout')`` once the endpoint is
+    aborted. Every exception is retrieved, so none is reported as never retrieved; the link's
+    whole batch is logged once, in one line, when the link is closed (``seal``) and its last
+    parked operation has ended. I/O loop only."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._pending = 0
+        self._sealed = False
+        self._outcomes: collections.Counter[str] = collections.Counter()
+
+    def park(self, tasks: Iterable[asyncio.Future]) -> None:
+        for task in tasks:
+            if _ended(task):
+                continue
+            self._pending += 1
+            _parked.add(task)
+            task.add_done_callback(self._collect)
+
+    def seal(self) -> None:
+        """The link is closed: log the batch once its operations have ended."""
+        self._sealed = True
+        self._maybe_log()
+
+    def _collect(self, task: asyncio.Future) -> None:
+        _parked.discard(task)
+        self._pending -= 1
+        self._outcomes[_outcome(task)] += 1
+        self._maybe_log()
+
+    def _maybe_log(self) -> None:
+        if self._sealed and not self._pending and self._outcomes:
+            outcomes, self._outcomes = self._outcomes, collections.Counter()
+            logger.info("%s: %d abandoned UCX operation(s) ended: %s", self.what, sum(outcomes.values()),
+                        ", ".join(f"{n} {outcome}" for outcome, n in sorted(outcomes.items())))
+
+
+def _ended(task: asyncio.Future) -> bool:
+    """True for a task that is done (its exception, if any, now retrieved)."""
     if not task.done():
-        _orphans.add(task)
-        task.add_done_callback(_orphans.discard)
+        return False
+    _outcome(task)
+    return True
+
+
+def _outcome(task: asyncio.Future) -> str:
+    if task.cancelled():
+        return "cancelled"
+    exc = task.exception()  # retrieved: asyncio will not report it as never retrieved
+    return "completed" if exc is None else f"failed with {exc!r}"
+
+
+_parked: set[asyncio.Future] = set()  # every link's abandoned operations, alive until they end
+
+
+def shutdown_ucx() -> None:
+    """Stop ucxx's notifier thread (``ucxx.stop_notifier_thread``), waking it at once rather
+    than at its next 1 s poll; idempotent. Registered to run at exit before the I/O thread
+    stops (atexit runs in reverse order), so no ucxx thread is inside UCX while the
+    interpreter finalizes. No ucx link may be used after it."""
+    global _stopped
+    with _init_lock:
+        if _initialized_options is None or _stopped:
+            return
+        _stopped = True
+    worker = getattr(ucxx.core._get_ctx(), "worker", None)  # the Cython worker: its wake-up call
+    if worker is not None:
+        worker.stop_request_notifier_thread()
+    ucxx.stop_notifier_thread()
 
 
 def ensure_ucx(config: TransferConfig) -> None:
     """Initialise ucxx once per process; later configs must agree on the options."""
     global _initialized_options
     with _init_lock:
+        if _stopped:
+            raise TransferError("ucx was shut down in this process (shutdown_ucx)")
         if _initialized_options is None:
             ucxx.init(options=dict(config.ucx_options), enable_python_future=True)
             _initialized_options = config.ucx_options
+            atexit.register(shutdown_ucx)
         elif _initialized_options != config.ucx_options:
             logger.warning("ucxx already initialised with %s; ignoring %s", _initialized_options, config.ucx_options)
 
@@ -90,14 +162,17 @@ def _back_to_back(arrays: list[np.ndarray]) -> np.ndarray | None:
     return np.ctypeslib.as_array((ctypes.c_uint8 * (position - start)).from_address(start))
 
 
-async def _race_close(op: Awaitable[Any], conn: FrameConnection, timeout_s: float, what: str) -> None:
-    """Await a UCX operation unless the control connection closes or ``timeout_s`` passes."""
+async def _race_close(
+    op: Awaitable[Any], conn: FrameConnection, timeout_s: float, what: str, orphans: Orphans
+) -> None:
+    """Await a UCX operation unless the control connection closes or ``timeout_s`` passes
+    (then the operation goes to ``orphans``)."""
     task = asyncio.ensure_future(op)
     closed = asyncio.ensure_future(conn.closed.wait())
     done, _ = await asyncio.wait({task, closed}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     closed.cancel()
     if task not in done:
-        _orphan(task)
+        orphans.park([task])
         why = (
             f"control connection closed: {conn.closed_reason}" if closed in done else f"no progress in {timeout_s:g} s"
         )
@@ -132,6 +207,7 @@ class UcxSendLink(StreamSendLink):
         self._sends: set[asyncio.Future] = set()
         self._send_error: str | None = None
         self._gather_free: list[np.ndarray] = []
+        self._orphans = Orphans(f"ucx sender link (tag prefix {tag_prefix})")
 
     coalesces = True  # several parts become one tag message
 
@@ -147,7 +223,9 @@ class UcxSendLink(StreamSendLink):
         if header.body_bytes:
             tag = _tag(self._tag_prefix, header.seq)
             send = self._endpoint.send(body, tag=tag, force_tag=True)
-            task = asyncio.ensure_future(_race_close(send, self.conn, self._timeout_s, header.describe()))
+            task = asyncio.ensure_future(
+                _race_close(send, self.conn, self._timeout_s, header.describe(), self._orphans)
+            )
             self._sends.add(task)
             # The callback holds the parts (and the buffer) until UCX is done with their memory.
             task.add_done_callback(functools.partial(self._on_sent, keep=(parts, body), gathered=gathered))
@@ -191,8 +269,8 @@ class UcxSendLink(StreamSendLink):
 
     def close(self) -> None:
         super().close()
-        for task in list(self._sends):
-            _orphan(task)  # the endpoint abort below makes UCX fail them
+        self._orphans.park(list(self._sends))  # the endpoint abort below makes UCX fail them
+        self._orphans.seal()
         if not self._endpoint.closed:
             self._endpoint.abort()
 
@@ -215,6 +293,7 @@ class UcxRecvLink(StreamRecvLink):
         self._ready: asyncio.Queue[tuple[Frame | LinkClosed, asyncio.Future | None]] = asyncio.Queue()
         self._bodies: dict[int, tuple[np.ndarray, asyncio.Future]] = {}  # seq -> (buffer, posted recv)
         self._free: list[np.ndarray] = []
+        self._orphans = Orphans(f"ucx receiver link (tag prefix {tag_prefix})")
         self._pump = asyncio.ensure_future(self._pump_headers())
 
     async def _pump_headers(self) -> None:
@@ -252,7 +331,7 @@ class UcxRecvLink(StreamRecvLink):
                 raise FrameError(f"{header.describe()}: {header.body_bytes} bytes exceed max_frame_bytes")
             return await super().read_data(frame, targets)
         buffer, recv = self._bodies[header.seq]
-        await _race_close(recv, self.conn, self._config.deadline_s, f"body of {header.describe()}")
+        await _race_close(recv, self.conn, self._config.deadline_s, f"body of {header.describe()}", self._orphans)
         return land(header, buffer[: header.body_bytes], targets)
 
     def release(self, frame: Frame) -> None:
@@ -263,14 +342,14 @@ class UcxRecvLink(StreamRecvLink):
         buffer, recv = entry
         # Only a completed receive's buffer may be reused; a pending one could still be written.
         if not recv.done():
-            _orphan(recv)
+            self._orphans.park([recv])
         elif len(self._free) < self.MAX_FREE_BUFFERS:
             self._free.append(buffer)
 
     def close(self) -> None:
         self._pump.cancel()
-        for _, recv in self._bodies.values():
-            _orphan(recv)
+        self._orphans.park([recv for _, recv in self._bodies.values()])
+        self._orphans.seal()
         self._bodies.clear()
         super().close()
 
