@@ -45,6 +45,13 @@ class TransferConfig:
     ``connect_timeout_s`` or sends anything else first is disconnected and nothing it sent
     reaches a sink. Both ends need the same key: a key on one side only fails the
     connection. Never printed (``repr=False``).
+
+    ``encrypt``: tcp links are encrypted and authenticated after the handshake (AES-256-GCM,
+    per-connection, per-direction keys derived from ``auth_key`` and the handshake's nonces;
+    ``auth``, ``aead``); both ends need the same setting, or the connection fails naming it.
+    shm links stay plaintext (their bodies never leave the host's memory), and ucx refuses it
+    (its bodies travel as UCX messages this engine does not seal). The cluster sets it with
+    ``--tls`` (the workers' ``TlsFiles.serves``).
     """
 
     deadline_s: float = 30.0
@@ -58,6 +65,7 @@ class TransferConfig:
     # UCX options for ucxx.init (without the UCX_ prefix); the default keeps UCX on loopback TCP.
     ucx_options: tuple[tuple[str, str], ...] = (("TLS", "tcp"), ("NET_DEVICES", "lo"))
     auth_key: bytes = field(default=b"", repr=False)
+    encrypt: bool = False
 
     def __post_init__(self) -> None:
         if self.deadline_s <= 0 or self.connect_timeout_s <= 0:
@@ -68,6 +76,8 @@ class TransferConfig:
             )
         if self.auth_key and len(self.auth_key) < MIN_AUTH_KEY_BYTES:
             raise ValueError(f"auth_key has {len(self.auth_key)} bytes; a key needs at least {MIN_AUTH_KEY_BYTES}")
+        if self.encrypt and not self.auth_key:
+            raise ValueError("encrypt needs an auth_key: the link's keys come from the authenticated handshake")
 
     @property
     def shm_ring_bytes(self) -> int:

@@ -49,7 +49,9 @@ except ImportError:  # pragma: no cover - depends on the environment
     _crc32c = None
 
 MAGIC = b"TKV1"
-FRAME_VERSION = 3  # 3: every stream connection opens with the AUTH exchange (``auth``)
+# 3: every stream connection opens with the AUTH exchange (``auth``); 4: which names, and is
+# bound to, the link's encryption
+FRAME_VERSION = 4
 MAX_NDIM = 4
 REQUEST_ID_MAX_BYTES = 64
 FLAG_INLINE_BODY = 0x01
@@ -147,6 +149,7 @@ _ITEMSIZE = {
 class ChecksumAlgo(enum.IntEnum):
     CRC32 = 1  # zlib's CRC-32, always available; computed by ISA-L (isal) where installed
     CRC32C = 2  # crc32c package (hardware crc32 instruction)
+    AEAD = 3  # no checksum: the encrypted link's AES-GCM tag authenticates the body (``aead``)
 
 
 _DTYPE_OF = {d.value: d for d in DType}
@@ -168,6 +171,8 @@ def checksum(algo: ChecksumAlgo, body, value: int = 0, hold_gil: bool = False) -
     the bytes before it), so a body can be checksummed piece by piece as it is copied or
     received. Both algorithms release the GIL on large inputs unless ``hold_gil`` (crc32c only:
     for a small body, handing the GIL to another thread and back costs more than the checksum)."""
+    if algo == ChecksumAlgo.AEAD:
+        return 0  # checked by the link's tag, which only an encrypted link accepts (``wire``)
     if algo == ChecksumAlgo.CRC32C:
         if _crc32c is None:
             raise FrameError("frame uses crc32c but the crc32c package is not installed here")

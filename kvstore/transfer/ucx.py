@@ -132,8 +132,14 @@ def shutdown_ucx() -> None:
 
 
 def ensure_ucx(config: TransferConfig) -> None:
-    """Initialise ucxx once per process; later configs must agree on the options."""
+    """Initialise ucxx once per process; later configs must agree on the options. Refuses
+    ``config.encrypt``: bodies travel as UCX tag messages, which this engine does not seal."""
     global _initialized_options
+    if config.encrypt:
+        raise TransferError(
+            "ucx links do not encrypt KV bodies (TransferConfig.encrypt, set by --tls): use the tcp backend, "
+            "or shm on one host"
+        )
     with _init_lock:
         if _stopped:
             raise TransferError("ucx was shut down in this process (shutdown_ucx)")
