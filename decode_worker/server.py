@@ -118,9 +118,10 @@ class DecodeWorker(WorkerServiceBase):
         model = engine.load_model(cfg.model, device=cfg.device)
         self._scheduler = scheduler = DecodeScheduler(model, cfg.num_pages, cfg.num_slots, cfg.block_size,
                                                       cfg.max_batch, metrics=DecodeMetrics(ident))
+        # --tls: KV frames on tcp transfer links are encrypted too (the peers' setting is the same)
         receiver = Receiver(TransferConfig(deadline_s=cfg.transfer_deadline_s, bind_host=cfg.host,
                                            advertise_host=cfg.advertised_host,
-                                           auth_key=self.credential.transfer_key),
+                                           auth_key=self.credential.transfer_key, encrypt=cfg.tls.serves),
                             backends=cfg.transfer_backend)
         self._closing.callback(receiver.close)
         self._listening, self._transfer_address = True, receiver.address
