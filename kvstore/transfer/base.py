@@ -287,10 +287,11 @@ class RecvLink(Protocol):
     async def read_body(self, frame: Frame) -> memoryview:
         """The inline body of a control frame (ABORT's reason)."""
 
-    async def read_data(self, frame: Frame, targets: list[Any] | None) -> tuple[memoryview, int]:
+    async def read_data(self, frame: Frame, targets: list[Any] | None) -> tuple[memoryview, int, int]:
         """Receive a data frame's body into ``targets`` (writable uint8 arrays in body order) or,
         with None, into a buffer of the link's, valid until ``release``; returns that buffer
-        (empty for targets) and the body's checksum under the header's algorithm."""
+        (empty for targets), the body's checksum under the header's algorithm as received, and
+        the checksum its sender gave (in the header, or trailing the body)."""
 
     def release(self, frame: Frame) -> None: ...
     def ack(self, seq: int) -> None: ...

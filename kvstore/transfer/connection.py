@@ -37,7 +37,16 @@ from cryptography.exceptions import InvalidTag
 
 from kvstore.transfer.aead import SEALED_HEADER_BYTES, TAG_BYTES, Direction
 from kvstore.transfer.base import Frame, LinkClosed
-from kvstore.transfer.frames import HEADER_BYTES, ChecksumAlgo, FrameError, FrameHeader, checksum, unpack_header
+from kvstore.transfer.frames import (
+    FLAG_TRAILING_CHECKSUM,
+    HEADER_BYTES,
+    TRAILER,
+    ChecksumAlgo,
+    FrameError,
+    FrameHeader,
+    checksum,
+    unpack_header,
+)
 
 logger = logging.getLogger(__name__)
 READ_AREA_BYTES = 64 << 10
@@ -70,11 +79,14 @@ class FrameConnection(asyncio.BufferedProtocol):
         # Where the body being read goes, in order (the staging buffer, or a consumer's views),
         # and the checksum of what has landed (deferred data bodies only).
         self._targets: list = []
+        self._body_targets = 0  # targets of the body proper; a trailing checksum's follows them
+        self._expect_bytes = 0  # the body and its trailer
+        self._trailer = bytearray(TRAILER.size)
         self._target_index = 0
         self._target_filled = 0
         self._algo: ChecksumAlgo | None = None
         self._crc = 0
-        self._body_done: asyncio.Future[int] | None = None
+        self._body_done: asyncio.Future[tuple[int, int]] | None = None
         self._deferred: FrameHeader | None = None  # a delivered data frame whose body is unread
         self._holding = False
         # Encryption (see the module docstring): what is still to come of the body being read.
@@ -144,7 +156,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         """``nbytes`` more of the body are in the current target: checksum them, move on; True
         once the whole body is in."""
         target = self._targets[self._target_index]
-        if self._algo is not None:
+        if self._algo is not None and self._target_index < self._body_targets:
             piece = target[self._target_filled : self._target_filled + nbytes]
             self._crc = checksum(self._algo, piece, self._crc, hold_gil=nbytes <= SMALL_PIECE_BYTES)
         self._target_filled += nbytes
@@ -152,7 +164,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         if self._target_filled == len(target):
             self._target_index += 1
             self._target_filled = 0
-        return self._filled_bytes == self._body_header.body_bytes
+        return self._filled_bytes == self._expect_bytes
 
     def _open_body(self, data: memoryview) -> int:
         """Decrypt ciphertext of the body being read into its targets, then take its tag; returns
@@ -193,7 +205,8 @@ class FrameConnection(asyncio.BufferedProtocol):
         if done is None:  # a staged control body: the frame is delivered with it
             self._frames.put_nowait(Frame(header, self._targets[0] if self._targets else memoryview(b"")))
         elif not done.done():
-            done.set_result(self._crc)
+            trailing = header.flags & FLAG_TRAILING_CHECKSUM
+            done.set_result((self._crc, TRAILER.unpack(self._trailer)[0] if trailing else header.body_checksum))
 
     def _parse(self) -> None:
         """Turn every complete header in the read area into a frame, until a body must be read
@@ -248,7 +261,11 @@ class FrameConnection(asyncio.BufferedProtocol):
                 f"{self._max_frame_bytes}"
             )
             return
-        if self._defer_data_bodies and header.kind.is_data:
+        deferred = self._defer_data_bodies and header.kind.is_data
+        if header.flags & FLAG_TRAILING_CHECKSUM and not deferred:
+            self._fail(f"protocol error: {header.describe()} has a trailing checksum, which only a tcp receiver reads")
+            return
+        if deferred:
             # The consumer decides where the body goes (``receive_into``); hold until it does.
             self._deferred = header
             self._holding = True
@@ -266,6 +283,11 @@ class FrameConnection(asyncio.BufferedProtocol):
     def _start_body(self, header: FrameHeader, targets: list, algo: ChecksumAlgo | None) -> None:
         self._body_header = header
         self._targets = [t for t in targets if len(t)]
+        self._body_targets = len(self._targets)
+        self._expect_bytes = header.body_bytes
+        if header.flags & FLAG_TRAILING_CHECKSUM:
+            self._targets.append(memoryview(self._trailer))
+            self._expect_bytes += TRAILER.size
         self._target_index = self._target_filled = self._filled_bytes = 0
         self._algo = None if algo == ChecksumAlgo.AEAD else algo
         self._crc = 0
@@ -276,14 +298,14 @@ class FrameConnection(asyncio.BufferedProtocol):
         elif header.body_bytes == 0:
             self._body_complete()
 
-    async def receive_into(self, header: FrameHeader, targets: Sequence | None) -> tuple[memoryview, int]:
+    async def receive_into(self, header: FrameHeader, targets: Sequence | None) -> tuple[memoryview, int, int]:
         """Read the body of the deferred data frame ``header`` into ``targets`` (writable byte
         buffers whose lengths add up to its ``body_bytes``, filled in order; None: a staging
         buffer of the connection's). Returns the buffer it went into (the staging view, or an
-        empty view for targets) and the body's checksum under the header's algorithm (0 for
-        AEAD: the tag was checked), computed as each piece landed. ``ConnectionError`` when
-        the stream ends first or the body fails authentication. The frame is still held
-        afterwards: ``release`` it."""
+        empty view for targets), the body's checksum under the header's algorithm (0 for AEAD:
+        the tag was checked), computed as each piece landed, and the checksum the sender gave
+        (the header's, or its trailer's). ``ConnectionError`` when the stream ends first or the
+        body fails authentication. The frame is still held afterwards: ``release`` it."""
         if self._deferred is None or self._deferred is not header:
             raise FrameError(f"{header.describe()}: its body is not the next on this connection")
         if self.closed.is_set():
@@ -300,8 +322,8 @@ class FrameConnection(asyncio.BufferedProtocol):
         if self._body_header is not None:  # more to come from the socket
             self._holding = False
             self.transport.resume_reading()
-        crc = await done
-        return (views[0] if staged else memoryview(b"")), crc
+        actual, expected = await done
+        return (views[0] if staged else memoryview(b"")), actual, expected
 
     def limit_body_bytes(self, max_body_bytes: int) -> None:
         """Largest inline body accepted from now on (a larger one fails the connection); the
@@ -407,6 +429,26 @@ class FrameConnection(asyncio.BufferedProtocol):
                 await self._write_sealed_body(cipher, parts, body_bytes, corrupt, cut)
         finally:
             self._frame_writing = False
+
+    async def write_checked_frame(self, header: FrameHeader, parts: Sequence, corrupt: bool = False) -> None:
+        """Write one plaintext data frame whose checksum trails its body: each piece (at most
+        ``RECV_PIECE_BYTES``) is checksummed just before it is written, so the kernel's copy
+        reads it from cache, and the checksum follows the body (``FLAG_TRAILING_CHECKSUM``).
+        ``corrupt`` (test-only) damages a copy of one piece after checksumming it."""
+        assert self._send_cipher is None, "checksummed frames are plaintext"
+        algo = header.checksum_algo
+        await self._write_raw((header._replace(flags=header.flags | FLAG_TRAILING_CHECKSUM, body_checksum=0).pack(),))
+        crc = 0
+        for part in parts:
+            view = memoryview(part).cast("B")
+            for offset in range(0, len(view), RECV_PIECE_BYTES):
+                piece = view[offset : offset + RECV_PIECE_BYTES]
+                crc = checksum(algo, piece, crc, hold_gil=len(piece) <= SMALL_PIECE_BYTES)
+                if corrupt:
+                    piece, corrupt = bytearray(piece), False
+                    piece[len(piece) // 2] ^= 0xFF
+                await self._write_raw((piece,))
+        await self._write_raw((TRAILER.pack(crc),))
 
     async def _write_sealed_body(
         self, cipher: Direction, parts: Sequence, body_bytes: int, corrupt: bool, cut: bool

@@ -2,7 +2,8 @@
 body checksums. Pure functions and frozen values; no I/O, no threads, no torch import.
 
 Every frame is one 160-byte header, optionally followed by ``body_bytes`` of body on the same
-stream (``FLAG_INLINE_BODY``); otherwise the body travels out of band (shm ring, UCX tag) and
+stream (``FLAG_INLINE_BODY``; with ``FLAG_TRAILING_CHECKSUM`` the body's checksum follows it in
+4 bytes instead of sitting in the header); otherwise the body travels out of band (shm ring, UCX tag) and
 ``aux`` tells the backend where, or it was written straight into the receiver's destination
 (``FLAG_DIRECT``, see ``placement``), where the receiver verifies it. All integers are
 little-endian::
@@ -15,7 +16,7 @@ little-endian::
        8    1    ndim             0..MAX_NDIM; shape[ndim:] is zero
        9    1    checksum_algo    ChecksumAlgo of body_checksum
       10    1    request_id_len   bytes of request_id used (utf-8)
-      11    1    flags            FLAG_INLINE_BODY, FLAG_DIRECT
+      11    1    flags            FLAG_INLINE_BODY, FLAG_DIRECT, FLAG_TRAILING_CHECKSUM
       12    4    layer            model layer index; blob index for BLOB; layer count for END
       16    8    seq              per-connection sequence number (ACK: every data frame up to it)
       24    8    token_start      first token of the chunk
@@ -56,6 +57,10 @@ MAX_NDIM = 4
 REQUEST_ID_MAX_BYTES = 64
 FLAG_INLINE_BODY = 0x01
 FLAG_DIRECT = 0x02  # the body is already in the receiver's destination (shm direct placement)
+# The inline body is followed by its 4-byte checksum (little-endian) and body_checksum is 0: the
+# sender checksums each piece just before it writes it (tcp data frames, ``connection``).
+FLAG_TRAILING_CHECKSUM = 0x04
+TRAILER = struct.Struct("<I")
 
 _BODY_FMT = "<4sHBBBBBBiQqq4qQQI64s"
 _HEADER_STRUCT = struct.Struct(_BODY_FMT + "I")

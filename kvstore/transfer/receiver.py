@@ -281,21 +281,23 @@ class Receiver:
             await link.read_data(frame, None)
             reason = f"destination rejected {header.describe()}: {exc}"
         else:
-            body, actual = await link.read_data(frame, views)
-            reason = self._accept(sink, views, body, header, actual, metrics)
+            body, actual, expected = await link.read_data(frame, views)
+            reason = self._accept(sink, views, body, header, (actual, expected), metrics)
             if reason is None:
                 return None
         self._table.fail(header.request_id, reason)
         return reason
 
     def _accept(
-        self, sink: Sink, views: list | None, body: memoryview, header: FrameHeader, actual: int, metrics: ProcessLink
+        self, sink: Sink, views: list | None, body: memoryview, header: FrameHeader, checksums: tuple[int, int],
+        metrics: ProcessLink,
     ) -> str | None:
-        """Count a received body whose checksum is ``actual`` (written by ``sink`` first unless it
-        already lies in ``views``); returns why it failed, or None."""
-        if actual != header.body_checksum:
+        """Count a received body whose checksums are ``(actual, expected)`` (written by ``sink``
+        first unless it already lies in ``views``); returns why it failed, or None."""
+        actual, expected = checksums
+        if actual != expected:
             metrics.checksum_failure()
-            return _mismatch(header, actual)
+            return _mismatch(header, expected, actual)
         if views is None:
             try:
                 sink.write(header.kind, header.layer, header.token_start, header.token_end, as_tensor(body, header))
@@ -319,7 +321,7 @@ class Receiver:
                 self._table.record(header)
                 return None
             metrics.checksum_failure()
-            reason = _mismatch(header, actual) + " (written directly into the destination)"
+            reason = _mismatch(header, header.body_checksum, actual) + " (written directly into the destination)"
         self._table.fail(header.request_id, reason)
         return reason
 
@@ -344,8 +346,8 @@ def _views_of(sink: Sink, header: FrameHeader) -> list | None:
     return found
 
 
-def _mismatch(header: FrameHeader, actual: int) -> str:
+def _mismatch(header: FrameHeader, expected: int, actual: int) -> str:
     return (
-        f"checksum mismatch in {header.describe()}: header says {header.body_checksum:#010x}, "
+        f"checksum mismatch in {header.describe()}: the sender says {expected:#010x}, "
         f"body hashes to {actual:#010x} ({header.checksum_algo.name.lower()}); corrupted in transit"
     )

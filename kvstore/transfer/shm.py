@@ -238,7 +238,7 @@ class ShmRecvLink(StreamRecvLink):
         super().__init__(conn)
         self._ring = memoryview(ring_map)
 
-    async def read_data(self, frame: Frame, targets: list | None) -> tuple[memoryview, int]:
+    async def read_data(self, frame: Frame, targets: list | None) -> tuple[memoryview, int, int]:
         """A ring slot's body: checksummed while it is copied into ``targets`` (or as it is)."""
         header = frame.header
         if frame.inline is not None or header.flags & FLAG_DIRECT:

@@ -329,7 +329,7 @@ class UcxRecvLink(StreamRecvLink):
     async def next_frame(self) -> Frame | LinkClosed:
         return await self._ready.get()
 
-    async def read_data(self, frame: Frame, targets: list | None) -> tuple[memoryview, int]:
+    async def read_data(self, frame: Frame, targets: list | None) -> tuple[memoryview, int, int]:
         """The body's tag message, then checksummed while it is copied into ``targets``."""
         header = frame.header
         if not self._has_ucx_body(frame):

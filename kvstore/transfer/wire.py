@@ -52,21 +52,23 @@ def with_inline(header: FrameHeader) -> FrameHeader:
     return header._replace(flags=header.flags | FLAG_INLINE_BODY)
 
 
-def land(header: FrameHeader, body, targets: list | None) -> tuple[memoryview, int]:
+def land(header: FrameHeader, body, targets: list | None) -> tuple[memoryview, int, int]:
     """A body that is already in memory (a ring slot, a UCX buffer, a staged frame) handed on as
     ``RecvLink.read_data`` does: into ``targets`` with the checksum computed block by block
     while copying (``direct.copy_with_checksum``), or as it is with its checksum."""
     if targets is None:
-        return memoryview(body), checksum(header.checksum_algo, body)
+        return memoryview(body), checksum(header.checksum_algo, body), header.body_checksum
     if not header.body_bytes:
-        return memoryview(b""), checksum(header.checksum_algo, b"")
-    return memoryview(b""), copy_with_checksum(header.checksum_algo, [memoryview(body)], targets)
+        return memoryview(b""), checksum(header.checksum_algo, b""), header.body_checksum
+    crc = copy_with_checksum(header.checksum_algo, [memoryview(body)], targets)
+    return memoryview(b""), crc, header.body_checksum
 
 
 class StreamSendLink:
     """Sender end of a stream link; bodies ride inline (the TCP backend as is)."""
 
     coalesces = True  # the sender may hand it one frame made of several chunks' bodies
+    trailing_checksums = True  # data frames' checksums follow their bodies (the peer is a tcp receiver)
 
     def __init__(self, conn: FrameConnection):
         self.conn = conn
@@ -78,9 +80,11 @@ class StreamSendLink:
         if self.conn.encrypted:
             header = header._replace(checksum_algo=ChecksumAlgo.AEAD, body_checksum=0)
             await self.conn.write_frame(with_inline(header).pack(), parts, corrupt=corrupt)
-            return
-        header, parts = seal(header, parts, corrupt)
-        await self.conn.write_frame(with_inline(header).pack(), parts)
+        elif header.body_bytes and self.trailing_checksums:
+            await self.conn.write_checked_frame(with_inline(header), parts, corrupt)
+        else:
+            header, parts = seal(header, parts, corrupt)
+            await self.conn.write_frame(with_inline(header).pack(), parts)
 
     async def flush(self) -> None:
         """Write out anything the link batches; the sender calls it whenever its queue is empty."""
@@ -164,12 +168,12 @@ class StreamRecvLink:
             raise FrameError(f"{frame.header.describe()}: expected an inline body on this link")
         return frame.inline if frame.inline is not None else memoryview(b"")
 
-    async def read_data(self, frame: Frame, targets: list | None) -> tuple[memoryview, int]:
+    async def read_data(self, frame: Frame, targets: list | None) -> tuple[memoryview, int, int]:
         """The body of a data frame, received into ``targets`` (writable uint8 arrays in body
         order, adding up to its ``body_bytes``) or, when None, into a buffer of the link's
-        (valid until ``release``). Returns that buffer (empty for targets) and the body's
-        checksum under its header's algorithm, computed as it landed. ConnectionError if
-        the stream ends first."""
+        (valid until ``release``). Returns that buffer (empty for targets), the body's
+        checksum under its header's algorithm, computed as it landed, and the checksum the
+        sender gave. ConnectionError if the stream ends first."""
         header = frame.header
         if frame.inline is not None:  # read before the connection deferred data bodies (the handshake)
             return land(header, frame.inline, targets)
