@@ -1,19 +1,25 @@
-"""Transfer engine throughput between two processes, per backend and chunk size, against a plain
-memory copy measured in the same run (before and after the backends): ``memcpy_numpy_copyto``
-copies between the same two buffers of the chunk size (the issue's baseline, cache-resident),
-``memcpy_streaming`` copies exactly the bytes a sample moves (distinct source and destination,
-in one process). Two more bound the direct shm path by its own work, without the transfer:
-``one_copy_sender`` is the sender's (``copy_with_checksum`` of the same bytes into shareable
-memory: the bound when the receiver's checksum pass overlaps on a free core) and
-``one_copy_serial`` adds the receiver's pass over the destination in the same thread (the
-bound when both ends share one core). Mooncake's TransferEngine over TCP is the peer baseline
-when ``mooncake-transfer-engine-non-cuda`` is installed (set ``MC_TCP_BIND_ADDRESS=127.0.0.1``),
-and ``socket_ceiling`` (a bare loopback TCP stream between two processes, no framing or
-checksum) bounds every TCP transfer here. The in-process baselines and the socket ceiling live
-in ``bench.transfer_baselines``. Prints one JSON object whose ``goals`` section holds the
-issue's rows (shm 16 MiB / memcpy, shm 64 KiB / shm 16 MiB, tcp 16 MiB / Mooncake) with the
-ratio's median and extremes, and tcp and Mooncake against the socket ceiling.
-Bounded to a few minutes on two cores.
+"""Transfer engine throughput between two processes, per backend and chunk size, against
+baselines measured in the same run: ``memcpy_numpy_copyto`` copies between the same two
+buffers of the chunk size (the issue's baseline, cache-resident), ``memcpy_streaming`` copies
+exactly the bytes a sample moves (distinct source and destination, in one process). Two more
+bound the direct shm path by its own work, without the transfer: ``one_copy_sender`` is the
+sender's (``copy_with_checksum`` of the same bytes into shareable memory: the bound when the
+receiver's checksum pass overlaps on a free core) and ``one_copy_serial`` adds the receiver's
+pass over the destination in the same thread (the bound when both ends share one core); the
+``*_crc32c`` ones do the same with CRC32C, the checksum before ISA-L's CRC-32. Mooncake's
+TransferEngine over TCP is a peer baseline when ``mooncake-transfer-engine-non-cuda`` is
+installed (set ``MC_TCP_BIND_ADDRESS=127.0.0.1``), and ``socket_ceiling`` (a bare loopback TCP
+stream between two processes, no framing or checksum) bounds every TCP transfer here. The
+in-process baselines and the socket ceiling live in ``bench.transfer_baselines``.
+
+The whole set runs ``--rounds`` times (the backends' order rotating), and every goal row is
+the median over rounds of that round's ratio (both sides measured minutes apart at most), with
+its extremes and each round's value: the machine is shared, so a single ratio means little.
+``goals`` holds the issue's rows (ucx / tcp at 64 KiB and 16 MiB; shm 16 MiB / cache-resident
+memcpy, also with the transfer's own bytes cache-resident, ``shm-resident``: one 16 MiB frame
+per sample into a 16 MiB pool; tcp 16 MiB / socket ceiling) and the integrity options side by
+side (``shm-crc32c`` / ``shm``). ``medians_gbps`` has every backend's and baseline's median
+over rounds, ``last_round`` the last round in full. Bounded to a few minutes on two cores.
 
 What one sample measures: the sender (this process) pushes ``--mib-per-repeat`` MiB of one
 MLA layer's rows (1 KiB each, a decode worker's destination: a paged pool of 64-row pages, as a
@@ -21,13 +27,16 @@ MLA layer's rows (1 KiB each, a decode worker's destination: a paged pool of 64-
 stops when the receiver's verdict arrives, i.e. every chunk was checksummed on both sides and
 is in the receiver's pages. Backends: ``shm`` (the pool in shareable memory: the sender writes
 into it directly, one copy), ``shm-ring`` (a private pool: through the ring, two copies),
-``tcp``, ``ucx``. GB/s are 1e9 bytes per second. Per backend and size, ``cores_busy`` is the
-median of (sender + receiver CPU seconds) / wall seconds of a sample: near 1 the two ends ran
-one after the other (no free second core: ``one_copy_serial`` bounds the transfer), near 2
-they overlapped. ``frames_direct`` counts the receiver's data frames written straight into its
-pages (all of them for ``shm``), and ``loadavg`` is the host's load before and after.
+``tcp`` (received straight into the pages), ``ucx``; variants ``tcp-auth`` (authenticated),
+``tcp-encrypted`` (authenticated and AES-256-GCM, as ``--tls`` makes it; ``bench.security``
+compares the two) and ``*-crc32c``. GB/s are 1e9 bytes per second. Per backend and size,
+``cores_busy`` is the median of (sender + receiver CPU seconds) / wall seconds of a sample:
+near 1 the two ends ran one after the other (no free second core: ``one_copy_serial`` bounds
+the transfer), near 2 they overlapped. ``frames_direct`` counts the receiver's data frames
+written straight into its pages by an shm sender, and ``loadavg`` is the host's load.
 
-    python -m bench.transfer [--repeats 7] [--mib-per-repeat 64] [--backends shm,shm-ring,tcp,ucx]
+    python -m bench.transfer [--rounds 3] [--repeats 5] [--mib-per-repeat 64]
+        [--backends shm,shm-crc32c,shm-ring,tcp,ucx] [--no-resident]
 """
 
 from __future__ import annotations

@@ -10,17 +10,23 @@ matching tag receive as soon as the header arrives (UCX holds early messages). B
 pipeline: several bodies are in flight at once, bounded by the sender's in-flight credit.
 Every body send/recv races the control connection closing, so a dead peer fails, not hangs.
 
-``ucxx.init`` runs once per process with ``config.ucx_options`` (default: TCP over loopback,
-``TLS=tcp NET_DEVICES=lo``; RDMA deployments pass their own). All of it runs on the I/O loop,
-whose UCX progress ucxx drives from its own progress thread; completions reach the loop as
-Python futures set by ucxx's notifier thread (``enable_python_future``), not by polling.
+Coalesced frames are one tag message too (``UcxSendLink``). Operations given up on are parked
+and logged once per link (``Orphans``); ``shutdown_ucx`` stops ucxx's notifier thread at exit.
+``TransferConfig.encrypt`` is refused: UCX messages are not sealed here.
+
+``ucxx.init`` runs once per process with ``config.ucx_options`` (default: UCX's tcp transport
+on loopback, ``TLS=tcp NET_DEVICES=lo``; UCX's shared-memory transports stay unused because
+endpoints are opened with error handling; RDMA deployments pass their own, e.g.
+``TLS=rc,ud,self,cuda_copy,cuda_ipc`` with ``NET_DEVICES=mlx5_0:1``, and get zero-copy RDMA).
+All of it runs on the I/O loop, whose UCX progress ucxx drives from its own progress thread;
+completions reach the loop as Python futures set by ucxx's notifier thread
+(``enable_python_future``), not by polling.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import collections
 import ctypes
 import functools
 import itertools
@@ -28,7 +34,7 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +50,7 @@ from ucxx.exceptions import UCXError
 from kvstore.transfer.base import Address, Frame, LinkClosed, RecvLink, TransferConfig, TransferError
 from kvstore.transfer.direct import copy_with_checksum
 from kvstore.transfer.frames import HEADER_BYTES, FrameError, FrameHeader, Kind, checksum, control_header
+from kvstore.transfer.orphans import Orphans
 from kvstore.transfer.tcp import StreamListener, open_tcp, serve_factory
 from kvstore.transfer.wire import FrameConnection, StreamRecvLink, StreamSendLink, land
 
@@ -53,66 +60,6 @@ _init_lock = threading.Lock()
 _initialized_options: tuple[tuple[str, str], ...] | None = None
 _tag_prefixes = itertools.count(1)  # process-wide: every connection to this worker gets its own
 _stopped = False  # shutdown_ucx ran: the notifier thread is gone
-
-
-class Orphans:
-    """UCX operations one link gave up on (peer gone, link closed, no progress). ucxx has no
-    per-request cancel, and a posted request keeps using its buffer, which its task keeps
-    alive: so such tasks are never cancelled, only parked here (the module's ``_parked``
-    holds them) until UCX completes or fails them, typically with
-    ``UCXXConnectionResetError`` or ``UCXXError('Endpoint timeout')`` once the endpoint is
-    aborted. Every exception is retrieved, so none is reported as never retrieved; the link's
-    whole batch is logged once, in one line, when the link is closed (``seal``) and its last
-    parked operation has ended. I/O loop only."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self._pending = 0
-        self._sealed = False
-        self._outcomes: collections.Counter[str] = collections.Counter()
-
-    def park(self, tasks: Iterable[asyncio.Future]) -> None:
-        for task in tasks:
-            if _ended(task):
-                continue
-            self._pending += 1
-            _parked.add(task)
-            task.add_done_callback(self._collect)
-
-    def seal(self) -> None:
-        """The link is closed: log the batch once its operations have ended."""
-        self._sealed = True
-        self._maybe_log()
-
-    def _collect(self, task: asyncio.Future) -> None:
-        _parked.discard(task)
-        self._pending -= 1
-        self._outcomes[_outcome(task)] += 1
-        self._maybe_log()
-
-    def _maybe_log(self) -> None:
-        if self._sealed and not self._pending and self._outcomes:
-            outcomes, self._outcomes = self._outcomes, collections.Counter()
-            logger.info("%s: %d abandoned UCX operation(s) ended: %s", self.what, sum(outcomes.values()),
-                        ", ".join(f"{n} {outcome}" for outcome, n in sorted(outcomes.items())))
-
-
-def _ended(task: asyncio.Future) -> bool:
-    """True for a task that is done (its exception, if any, now retrieved)."""
-    if not task.done():
-        return False
-    _outcome(task)
-    return True
-
-
-def _outcome(task: asyncio.Future) -> str:
-    if task.cancelled():
-        return "cancelled"
-    exc = task.exception()  # retrieved: asyncio will not report it as never retrieved
-    return "completed" if exc is None else f"failed with {exc!r}"
-
-
-_parked: set[asyncio.Future] = set()  # every link's abandoned operations, alive until they end
 
 
 def shutdown_ucx() -> None:

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from kvstore.transfer import TransferConfig, TransferError, connect, ucx_unavailable_reason
+from kvstore.transfer.orphans import Orphans, num_parked
 from tests.kvstore.transfer_peer import LAYOUT, send_chunks, send_states, source
 from tests.kvstore.transfer_support import REPO_ROOT
 
@@ -28,17 +29,15 @@ def test_ucx_is_installed_and_imports():
 
 
 def test_abandoned_operations_are_collected_and_logged_once_per_link(caplog):
-    from kvstore.transfer import ucx
-
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
-        orphans = ucx.Orphans("ucx link under test")
+        link = Orphans("ucx link under test")
         ops = [loop.create_future() for _ in range(3)]
-        orphans.park(ops)
-        assert len(ucx._parked) >= 3
+        link.park(ops)
+        assert num_parked() >= 3
         ops[0].set_exception(ConnectionResetError("reset"))
         ops[1].set_exception(ConnectionResetError("reset"))
-        orphans.seal()  # one still pending: nothing logged yet
+        link.seal()  # one still pending: nothing logged yet
         assert "abandoned" not in caplog.text
         ops[2].set_result(None)
         await asyncio.sleep(0)  # done callbacks run on the next loop turn
@@ -53,8 +52,6 @@ def test_abandoned_operations_are_collected_and_logged_once_per_link(caplog):
 
 
 def test_killed_receiver_leaves_no_exception_unretrieved(spawn, caplog):
-    from kvstore.transfer import ucx
-
     receiver = spawn("receive", "--backend", "ucx", "--rids", "req-o", "--sink-delay-s", "0.2")
     tx = connect(receiver.event("listening")["address"],
                  TransferConfig(deadline_s=10.0, max_inflight_bytes=8 * CHUNK_BYTES, max_frame_bytes=CHUNK_BYTES))
@@ -70,11 +67,11 @@ def test_killed_receiver_leaves_no_exception_unretrieved(spawn, caplog):
         finally:
             tx.close()
         until = time.monotonic() + 20
-        while ucx._parked and time.monotonic() < until:
+        while num_parked() and time.monotonic() < until:
             time.sleep(0.05)
         gc.collect()
         time.sleep(0.1)  # the I/O loop reports a never-retrieved exception when it drops the task
-    assert not ucx._parked, f"{len(ucx._parked)} abandoned UCX operations never ended"
+    assert not num_parked(), f"{num_parked()} abandoned UCX operations never ended"
     assert "never retrieved" not in caplog.text, caplog.text
 
 
