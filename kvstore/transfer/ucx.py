@@ -4,11 +4,13 @@ The receiver listens on a TCP control port (``config.bind_host``, 127.0.0.1 by d
 own sockaddr listener would bind every interface, so it is not used). On connect, after the
 authentication exchange of ``auth`` on that control connection, it sends a HELLO carrying
 its UCX worker address and a per-connection tag prefix; the sender opens a UCX endpoint to
-that worker address. Each data frame's header goes over TCP and its body as one
-tag message ``tag = prefix << 32 | seq`` from the tensor's memory; the receiver posts the
-matching tag receive as soon as the header arrives (UCX holds early messages). Both sides
-pipeline: several bodies are in flight at once, bounded by the sender's in-flight credit.
-Every body send/recv races the control connection closing, so a dead peer fails, not hangs.
+that worker address and answers with a HELLO naming its own, to which the receiver opens the
+endpoint its receives are posted on (so closing the link cancels them). Each data frame's
+header goes over TCP and its body as one tag message ``tag = prefix << 32 | seq`` from the
+tensor's memory; the receiver posts the matching tag receive as soon as the header arrives
+(UCX holds early messages). Both sides pipeline: several bodies are in flight at once,
+bounded by the sender's in-flight credit. Every body send/recv races the control connection
+closing, so a dead peer fails, not hangs.
 
 Coalesced frames are one tag message too (``UcxSendLink``). Operations given up on are parked
 and logged once per link (``Orphans``); ``shutdown_ucx`` stops ucxx's notifier thread at exit.
@@ -234,13 +236,16 @@ class UcxRecvLink(StreamRecvLink):
     A pump task reads headers as they come and posts each body's tag receive at once, into a
     buffer from a small free list, so bodies stream in while earlier frames are processed;
     frames still reach the consumer in order. Outstanding buffers are bounded by the sender's
-    in-flight credit.
+    in-flight credit. Receives are posted on this link's own endpoint back to the sender, so
+    closing the link (or the sender's death) cancels those still pending: none waits forever
+    on a message that will never come, and their buffers are freed.
     """
 
     MAX_FREE_BUFFERS = 32
 
-    def __init__(self, conn: FrameConnection, tag_prefix: int, config: TransferConfig):
+    def __init__(self, conn: FrameConnection, endpoint: Any, tag_prefix: int, config: TransferConfig):
         super().__init__(conn)
+        self._endpoint = endpoint
         self._tag_prefix = tag_prefix
         self._config = config
         self._ready: asyncio.Queue[tuple[Frame | LinkClosed, asyncio.Future | None]] = asyncio.Queue()
@@ -255,9 +260,9 @@ class UcxRecvLink(StreamRecvLink):
             if isinstance(item, Frame) and self._has_ucx_body(item):
                 header = item.header
                 buffer = self._take(header.body_bytes)
-                recv = asyncio.ensure_future(
-                    ucxx.recv(buffer[: header.body_bytes], tag=_tag(self._tag_prefix, header.seq))
-                )
+                recv = asyncio.ensure_future(self._endpoint.recv(
+                    buffer[: header.body_bytes], tag=_tag(self._tag_prefix, header.seq), force_tag=True
+                ))
                 self._bodies[header.seq] = (buffer, recv)
             self._ready.put_nowait(item)
             if isinstance(item, LinkClosed):
@@ -304,6 +309,8 @@ class UcxRecvLink(StreamRecvLink):
         self._orphans.park([recv for _, recv in self._bodies.values()])
         self._orphans.seal()
         self._bodies.clear()
+        if not self._endpoint.closed:
+            self._endpoint.abort()  # cancels the receives still posted on it
         super().close()
 
 
@@ -312,15 +319,25 @@ class UcxBackend:
 
     async def listen(self, config: TransferConfig, on_link: Callable[[RecvLink], Awaitable[None]]) -> StreamListener:
         ensure_ucx(config)
-        ucxx.continuous_ucx_progress()  # tag receives here have no endpoint to drive progress
+        ucxx.continuous_ucx_progress()
         worker_address = bytes(ucxx.get_worker_address())
         tasks: set[asyncio.Task] = set()
 
         async def make_link(conn: FrameConnection) -> RecvLink:
+            """HELLO both ways: ours names our worker and the link's tag prefix, the sender's
+            its worker, to which the link opens the endpoint its receives are posted on."""
             prefix = next(_tag_prefixes)
             payload = _HELLO.pack(prefix) + worker_address
-            conn.transport.writelines((control_header(Kind.HELLO, "", payload=payload).pack(), payload))
-            return UcxRecvLink(conn, prefix, config)
+            await conn.write(control_header(Kind.HELLO, "", payload=payload).pack(), payload)
+            try:
+                async with asyncio.timeout(config.connect_timeout_s):
+                    sender_worker = await _read_hello(conn)
+                    endpoint = await ucxx.create_endpoint_from_worker_address(
+                        ucxx.get_ucx_address_from_buffer(sender_worker)
+                    )
+            except UCXError as exc:
+                raise TransferError(f"ucx handshake failed: {exc!r}") from exc
+            return UcxRecvLink(conn, endpoint, prefix, config)
 
         factory = serve_factory(config, self.scheme, make_link, on_link, tasks)
         server = await asyncio.get_running_loop().create_server(factory, config.bind_host, 0)
@@ -332,15 +349,23 @@ class UcxBackend:
         conn = await open_tcp(address, config)
         try:
             async with asyncio.timeout(config.connect_timeout_s):
-                hello = await conn.next_frame()
-                if isinstance(hello, LinkClosed) or hello.header.kind != Kind.HELLO or hello.inline is None:
-                    raise TransferError(f"ucx handshake with {address} failed: {hello}")
-                payload = bytes(hello.inline)
-                conn.release()
+                payload = await _read_hello(conn)
                 (prefix,) = _HELLO.unpack_from(payload)
                 worker = ucxx.get_ucx_address_from_buffer(payload[_HELLO.size :])
                 endpoint = await ucxx.create_endpoint_from_worker_address(worker)
-        except (TimeoutError, UCXError) as exc:
+                own = bytes(ucxx.get_worker_address())
+                await conn.write(control_header(Kind.HELLO, "", payload=own).pack(), own)
+        except (TimeoutError, UCXError, FrameError, ConnectionError) as exc:
             conn.close()
             raise TransferError(f"ucx handshake with {address} failed: {exc!r}") from exc
         return UcxSendLink(conn, endpoint, prefix, config)
+
+
+async def _read_hello(conn: FrameConnection) -> bytes:
+    """The body of the next frame, which must be a HELLO; FrameError otherwise."""
+    hello = await conn.next_frame()
+    if isinstance(hello, LinkClosed) or hello.header.kind != Kind.HELLO or hello.inline is None:
+        raise FrameError(f"ucx handshake: expected HELLO, got {hello}")
+    payload = bytes(hello.inline)
+    conn.release()
+    return payload

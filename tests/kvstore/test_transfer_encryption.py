@@ -141,3 +141,41 @@ def test_encrypt_needs_a_key_and_ucx_refuses_it():
         TransferConfig(encrypt=True)
     with pytest.raises(TransferError, match="ucx links do not encrypt"):
         Receiver(TransferConfig(auth_key=KEY, encrypt=True), backends="ucx")
+
+
+def test_every_frame_kind_round_trips_sealed():
+    """Control frames with bodies both ways (an ABORT's reason, an ERROR's), staged data (blobs),
+    a sink's refusal and a retry after abort, all over one encrypted link."""
+    from kvstore.transfer import BlobSink, Expected, Kind
+    from tests.kvstore.transfer_peer import make_destination, received, send_chunks, send_states
+
+    config = TransferConfig(deadline_s=20.0, auth_key=KEY, encrypt=True, max_frame_bytes=2 << 20)
+    rx = Receiver(config, backends="tcp")
+    tx = connect(rx.address, config)
+    try:
+        blobs, blob = BlobSink(), bytes(range(256)) * 4096
+        rx.expect("pull", blobs, Expected(num_blobs=1))
+        tx.send("pull", 0, Kind.BLOB, (0, 0), blob)
+        tx.finish("pull", 1)
+        sink, expected = make_destination()
+        rx.expect("aborted", sink, expected)
+        data = source(SEED)
+        send_chunks(tx, "aborted", data, LAYOUT.chunks[:1])
+        tx.abort("aborted", "prefill ran out of memory", wait_s=10.0)
+        with pytest.raises(TransferError, match="aborted by the sender: prefill ran out of memory"):
+            rx.wait_complete("aborted")
+        with pytest.raises(TransferError, match="'stranger' is not expected by this receiver"):
+            tx.send("stranger", 0, Kind.BLOB, (0, 0), b"x" * 64)
+            tx.finish("stranger", 1)
+        rx.expect("aborted", sink, expected)  # the same id again, as a retry does
+        send_chunks(tx, "aborted", data, LAYOUT.chunks)
+        send_states(tx, "aborted", data)
+        tx.finish("aborted", LAYOUT.num_units)
+        assert not tx.failed
+    finally:
+        tx.close()
+    rx.wait_complete("pull")
+    rx.wait_complete("aborted")
+    assert blobs.blobs[0] == blob and digest(received(sink)) == digest(data)
+    rx.check_integrity()
+    rx.close()
