@@ -245,6 +245,8 @@ def bench_backend(backend: str, repeats: int, total_bytes: int, sizes: dict[str,
             child.proc.stdin.flush()
         tx = connect(child.report()["address"], bench_config(backend, key))
         rows = np.ones((total_bytes // (ROW_FLOATS * 4), ROW_FLOATS), dtype=np.float32)
+        gc.collect()
+        gc.freeze()  # as in the receiver child: no full collection of this process's heap mid-sample
         walls: dict[str, tuple[float, float]] = {}  # request id -> (wall s, sender cpu s)
         for rid, size in requests:
             cpu_before = time.process_time()
@@ -253,6 +255,7 @@ def bench_backend(backend: str, repeats: int, total_bytes: int, sizes: dict[str,
         tx.close()
         receiver = child.report()
     finally:
+        gc.unfreeze()
         child.finish()
     samples: dict[str, list[float]] = {}
     busy: dict[str, list[float]] = {}

@@ -438,7 +438,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         assert self._send_cipher is None, "checksummed frames are plaintext"
         algo = header.checksum_algo
         await self._write_raw((header._replace(flags=header.flags | FLAG_TRAILING_CHECKSUM, body_checksum=0).pack(),))
-        crc = 0
+        crc, transport, ready = 0, self.transport, self._write_ready
         for part in parts:
             view = memoryview(part).cast("B")
             for offset in range(0, len(view), RECV_PIECE_BYTES):
@@ -447,7 +447,12 @@ class FrameConnection(asyncio.BufferedProtocol):
                 if corrupt:
                     piece, corrupt = bytearray(piece), False
                     piece[len(piece) // 2] ^= 0xFF
-                await self._write_raw((piece,))
+                # _write_raw inlined: a coroutine per piece would cost more than the checks
+                if self.closed.is_set() or transport.is_closing():
+                    raise ConnectionError(self.closed_reason or "connection is closing")
+                transport.write(piece)
+                if not ready.is_set():
+                    await ready.wait()
         await self._write_raw((TRAILER.pack(crc),))
 
     async def _write_sealed_body(
