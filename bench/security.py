@@ -16,9 +16,14 @@
 3. Body- and audience-bound signatures: routing decisions per second, each decision with the
    four internal calls a routed request makes, signed and verified against the same loop
    unsigned, and the Conductor's CPU per decision (``bench/signatures.py`` says how).
+4. Encrypted KV transfer (what ``--tls`` turns on for tcp transfer links): ``bench.transfer``'s
+   two-process sample (64 MiB of one layer's rows in 64 KiB or 16 MiB chunks into a receiver
+   child's pages) over an authenticated tcp link, plaintext (``tcp-auth``) and AES-256-GCM
+   (``tcp-encrypted``), in alternating rounds in the same run; per size the medians, the
+   ratio encrypted / plaintext per round (median, min, max) and the goal (0.7).
 
 Usage: python -m bench.security [--quick] [--rounds 8] [--per-round 6] [--repeats 7]
-       [--parts tls_and_auth,decode_loss,signatures]
+       [--only tls_and_auth,decode_loss,signatures,transfer_encryption]
 """
 
 from __future__ import annotations
@@ -249,29 +254,61 @@ def migration_cost(work: Path, repeats: int, prompt_len: int, max_tokens: int) -
     return out
 
 
+def transfer_encryption_cost(rounds: int, repeats: int, mib: int) -> dict[str, Any]:
+    """Section 3 of the module docstring: plaintext against encrypted tcp, rounds alternating."""
+    from bench.transfer import SIZES_BYTES, bench_backend
+
+    sizes = {name: SIZES_BYTES[name] for name in ("64KiB", "16MiB")}
+    arms: dict[str, list[dict]] = {"tcp-auth": [], "tcp-encrypted": []}
+    for r in range(rounds):
+        order = ("tcp-auth", "tcp-encrypted") if r % 2 == 0 else ("tcp-encrypted", "tcp-auth")
+        for arm in order:
+            arms[arm].append(bench_backend(arm, repeats, mib << 20, sizes))
+        log(f"transfer round {r + 1}/{rounds} ({' '.join(order)}), load {os.getloadavg()[0]:.2f}")
+    out: dict[str, Any] = {}
+    for size in sizes:
+        plain = [row[size]["median_gbps"] for row in arms["tcp-auth"]]
+        sealed = [row[size]["median_gbps"] for row in arms["tcp-encrypted"]]
+        ratio = statistics.median(a / b for a, b in zip(sealed, plain, strict=True))
+        out[size] = {"plaintext_gbps": spread(plain), "encrypted_gbps": spread(sealed),
+                     "ratio_encrypted_over_plaintext": spread([a / b for a, b in zip(sealed, plain, strict=True)]),
+                     "goal": 0.7, "met": ratio >= 0.7}
+    out["setup"] = {"rounds": rounds, "samples_per_round": repeats, "bytes_per_sample": mib << 20,
+                    "order": "alternating: plaintext encrypted, encrypted plaintext, ...",
+                    "plaintext": "tcp, authenticated handshake, CRC-32 per frame",
+                    "encrypted": "tcp, authenticated handshake, AES-256-GCM per frame (the tag replaces the CRC)"}
+    return out
+
+
+SECTIONS = ("tls_and_auth", "decode_loss", "signatures", "transfer_encryption")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--per-round", type=int, default=6)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--parts", default="tls_and_auth,decode_loss,signatures",
-                   help="comma-separated parts to run (default: all)")
+    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
     args = p.parse_args()
-    parts = set(args.parts.split(","))
     rounds, per_round, repeats = (2, 3, 2) if args.quick else (args.rounds, args.per_round, args.repeats)
+    only = set(args.only.split(","))
+    if only - set(SECTIONS):
+        p.error(f"--only: unknown sections {sorted(only - set(SECTIONS))}; known: {SECTIONS}")
+    out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="tidekv-bench-security-") as tmp:
         work = Path(tmp)
-        out: dict[str, Any] = {}
-        if "tls_and_auth" in parts:
+        if "tls_and_auth" in only:
             out["tls_and_auth"] = tls_and_auth_cost(work, rounds, per_round, prompt_len=256, max_tokens=32)
-        if "decode_loss" in parts:
+        if "decode_loss" in only:
             out["decode_loss"] = migration_cost(work, repeats, prompt_len=64, max_tokens=200)
-        if "signatures" in parts:
+        if "signatures" in only:
             from bench.signatures import signature_cost
 
             log("signatures: routing decisions with signed and unsigned internal calls")
             out["signatures"] = signature_cost(rounds=4 if args.quick else 16, seconds=0.5 if args.quick else 1.0)
+        if "transfer_encryption" in only:
+            out["transfer_encryption"] = transfer_encryption_cost(rounds, 3 if args.quick else 5, mib=64)
         out["machine"] = {"cpus": os.cpu_count(), "load_1m_at_end": os.getloadavg()[0]}
     print(json.dumps(out, indent=2))
 

@@ -45,15 +45,15 @@ def streaming_memcpy_gbps(size: int, total_bytes: int, repeats: int) -> list[flo
     return samples
 
 
-def one_copy_gbps(size: int, total_bytes: int, repeats: int, verify: bool) -> list[float]:
+def one_copy_gbps(size: int, total_bytes: int, repeats: int, verify: bool, algo=None) -> list[float]:
     """The work of one direct shm transfer of ``total_bytes`` in ``size`` frames, without the
     transfer: each frame ``copy_with_checksum``-ed from a distinct source into distinct
     shareable memory (the sender) and, with ``verify``, checksummed there (the receiver), all
-    in this thread."""
+    in this thread; ``algo``: the checksum (default: the transfer engine's)."""
     from kvstore.transfer.direct import checksum_of, copy_with_checksum
     from kvstore.transfer.frames import default_checksum_algo
 
-    algo = default_checksum_algo()
+    algo = algo or default_checksum_algo()
     src = np.ones(total_bytes, dtype=np.uint8)
     fd = os.memfd_create("tidekv-bench-one-copy", os.MFD_CLOEXEC)  # as engine.memory.shareable_zeros
     try:
@@ -78,8 +78,20 @@ def one_copy_gbps(size: int, total_bytes: int, repeats: int, verify: bool) -> li
 
 
 def memcpy_baselines(sizes: dict[str, int], total_bytes: int, repeats: int) -> dict[str, dict[str, list[float]]]:
-    """Samples of every in-process baseline, by baseline and size."""
+    """Samples of every in-process baseline, by baseline and size; the one-copy work with
+    CRC32C (the checksum before ISA-L's CRC-32) at 16 MiB only."""
+    from kvstore.transfer.frames import ChecksumAlgo
+
+    big = {name: size for name, size in sizes.items() if name == "16MiB"}
     return {
+        "one_copy_sender_crc32c": {
+            name: one_copy_gbps(size, total_bytes, repeats, verify=False, algo=ChecksumAlgo.CRC32C)
+            for name, size in big.items()
+        },
+        "one_copy_serial_crc32c": {
+            name: one_copy_gbps(size, total_bytes, repeats, verify=True, algo=ChecksumAlgo.CRC32C)
+            for name, size in big.items()
+        },
         "memcpy_numpy_copyto": {name: memcpy_gbps(size, total_bytes, repeats) for name, size in sizes.items()},
         "memcpy_streaming": {name: streaming_memcpy_gbps(size, total_bytes, repeats) for name, size in sizes.items()},
         "one_copy_sender": {

@@ -120,9 +120,10 @@ class DecodeWorker(WorkerServiceBase):
         self._scheduler = scheduler = DecodeScheduler(model, cfg.num_pages, cfg.num_slots, cfg.block_size,
                                                       cfg.max_batch, reservation_ttl_s=cfg.reservation_ttl_s,
                                                       metrics=DecodeMetrics(ident))
+        # --tls: KV frames on tcp transfer links are encrypted too (the peers' setting is the same)
         receiver = Receiver(TransferConfig(deadline_s=cfg.transfer_deadline_s, bind_host=cfg.host,
                                            advertise_host=cfg.advertised_host,
-                                           auth_key=self.credential.transfer_key),
+                                           auth_key=self.credential.transfer_key, encrypt=cfg.tls.serves),
                             backends=cfg.transfer_backend)
         self._closing.callback(receiver.close)
         self._listening, self._transfer_address = True, receiver.address

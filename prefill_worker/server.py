@@ -158,9 +158,10 @@ class PrefillWorker(WorkerServiceBase):
                             device=device, on_event=events.on_event, metrics=StoreMetrics(ident))
         self._closing.callback(store.close)
         faults = FaultInjection(corrupt_seq=cfg.fault_corrupt_frame) if cfg.fault_corrupt_frame else None
+        # --tls: KV frames on tcp transfer links are encrypted too (the peers' setting is the same)
         hub = TransferHub(TransferConfig(bind_host=cfg.host, advertise_host=cfg.advertised_host,
                                          max_frame_bytes=cfg.max_frame_bytes,
-                                         auth_key=self.credential.transfer_key),
+                                         auth_key=self.credential.transfer_key, encrypt=cfg.tls.serves),
                           cfg.transfer_backend, member=self.credential.member, faults=faults)
         self._closing.callback(hub.close)
         self._transfer_address = hub.address

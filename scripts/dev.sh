@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh clone: installs everything into .venv, then runs the demo or the tests.
 #   bash scripts/dev.sh demo   install, then run the main job
-#   bash scripts/dev.sh test   install (with test tools and services), then run the whole test suite
+#   bash scripts/dev.sh test   install (with test tools, the ucx extra and services), then run the whole test suite
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -49,7 +49,8 @@ case "${1:-}" in
         ;;
     test)
         need_debian redis-server redis-sentinel prometheus
-        install_venv test
+        # ucx: ucxx-cu12 runs here without a GPU (UCX over tcp on loopback), so every ucx test runs
+        install_venv test,ucx
         shift
         "$venv/bin/ruff" check .
         exec "$venv/bin/python" -m pytest "$@"

@@ -19,15 +19,20 @@ Same host, ``shm`` copies each chunk once, straight into the receiver's pages wh
 lives in shareable memory (``base.DirectSink``; the engine's host cache does), and the receiver
 verifies it there before it counts; elsewhere it goes through a ring.
 
-Connections authenticate: with ``TransferConfig.auth_key`` set on both ends, every
-connection of every backend starts with a mutual HMAC challenge-response (``auth``).
+Over tcp a body is received straight into the sink's pages (``base.ViewSink``), checksummed as
+it lands. Connections authenticate: with ``TransferConfig.auth_key`` set on both ends, every
+connection of every backend starts with a mutual HMAC challenge-response (``auth``); with
+``TransferConfig.encrypt`` (what ``--tls`` sets) tcp links are then sealed with AES-256-GCM
+under per-connection keys from that handshake (``aead``).
 
 Modules: ``frames`` (header layout, checksums), ``base`` (config, errors, interfaces),
-``auth`` (the connection handshake), ``progress`` / ``stream`` (receiver bookkeeping,
-fences), ``outgoing`` (queued frames, coalescing), ``sender`` / ``receiver`` (the engine),
-``wire`` / ``tcp`` / ``shm`` / ``ring`` / ``ucx`` (backends), ``placement`` / ``regions`` /
-``direct`` (one-copy shm placement: the description, the receiver's shared memory, the
-sender's copy), ``ioloop`` (the I/O thread), ``sinks``, ``metrics``.
+``auth`` (the connection handshake, the link keys), ``aead`` (a sealed direction),
+``progress`` / ``stream`` (receiver bookkeeping, fences), ``outgoing`` (queued frames,
+coalescing), ``sender`` / ``receiver`` (the engine), ``connection`` (frames over a stream,
+plain or sealed), ``wire`` / ``tcp`` / ``shm`` / ``ring`` / ``ucx`` (backends; ``orphans``:
+abandoned UCX operations), ``placement`` / ``regions`` / ``direct`` (one-copy shm placement:
+the description, the receiver's shared memory, the sender's copy), ``ioloop`` (the I/O
+thread), ``sinks``, ``metrics``.
 """
 
 from kvstore.transfer.base import (

@@ -1,18 +1,26 @@
-"""Mutual authentication of transfer connections: the first frames of every stream connection
-(tcp, shm's unix socket, ucx's TCP control connection), before any other frame.
+"""Mutual authentication of transfer connections, and the keys of their encryption: the first
+frames of every stream connection (tcp, shm's unix socket, ucx's TCP control connection),
+before any other frame.
 
 With ``TransferConfig.auth_key`` K on both ends, each proves it knows K without sending it,
-each over a nonce the other drew (so a recorded exchange proves nothing on a new connection)::
+each over a nonce the other drew (so a recorded exchange proves nothing on a new connection),
+and both over the link's mode M (one byte: 1 when the link is encrypted, ``link_encrypted``)::
 
     listener                                              connector
-      AUTH  nL                                  ──►       (32 random bytes)
-            verify macC                         ◄──       AUTH  macC = HMAC(K, P + nL + nC) + nC
-      AUTH  macL = HMAC(K, P + nC + nL)         ──►       verify macL
-    ... frames of the backend (shm/ucx HELLO, data) ...
+      AUTH  nL + M                              ──►       (32 random bytes, mode)
+            verify macC                         ◄──       AUTH  macC = HMAC(K, P + nL + nC + M) + nC
+      AUTH  macL = HMAC(K, P + nC + nL + M)     ──►       verify macL
+    ... frames of the backend (shm/ucx HELLO, data), sealed when M = 1 ...
     P = PROTOCOL = b"tidekv-transfer/1"; HMAC-SHA256, compared with hmac.compare_digest
 
 Each side's MAC covers the peer's nonce first, so neither proof can be reflected back as the
-other's. The listener answers only after it has verified the connector. Without a key the
+other's, and the mode, so a relay cannot strip the encryption off (a connector whose own mode
+differs from the listener's refuses it, naming ``TransferConfig.encrypt``). With M = 1 both
+derive per-direction AES-256-GCM keys from K and both nonces (``link_keys``, HKDF-SHA256:
+fresh for every connection) and every frame after the proofs is sealed (``aead``); each side
+switches its reading over at the frame boundary, before anything sealed can arrive.
+
+The listener answers only after it has verified the connector. Without a key the
 listener's first AUTH carries no nonce and both go on; a key on one side only fails the
 connection on both with a reason naming it. While a listener waits for the proof it accepts
 only inline bodies of ``HANDSHAKE_BODY_BYTES`` and nothing but AUTH: a peer that sends
@@ -20,9 +28,8 @@ anything else first, a wrong proof, or nothing within ``connect_timeout_s`` is a
 logged at WARNING with its address and counted (``tidekv:transfer_auth_failures_total``);
 its connection never reaches the receiver, so nothing it sent is ever written to a sink.
 
-This authenticates the two processes; it neither encrypts nor integrity-protects the stream
-after the handshake (frames carry checksums against accidents, not attackers). Runs on the
-I/O loop only.
+Without encryption this authenticates the two processes only; frames then carry checksums
+against accidents, not attackers. Runs on the I/O loop only.
 """
 
 from __future__ import annotations
@@ -36,10 +43,14 @@ import socket
 import struct
 from collections.abc import Callable
 
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from kvstore.transfer.aead import CONNECTOR_TO_LISTENER, KEY_BYTES, LISTENER_TO_CONNECTOR, Direction
 from kvstore.transfer.base import LinkClosed, TransferConfig, TransferError
+from kvstore.transfer.connection import FrameConnection
 from kvstore.transfer.frames import Kind, control_header
 from kvstore.transfer.metrics import process_link
-from kvstore.transfer.wire import FrameConnection
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +58,9 @@ PROTOCOL = b"tidekv-transfer/1"
 NONCE_BYTES = 32
 MAC_BYTES = 32  # SHA-256
 HANDSHAKE_BODY_BYTES = MAC_BYTES + NONCE_BYTES  # the largest AUTH body
+CHALLENGE_BYTES = NONCE_BYTES + 1  # the listener's nonce and the link's mode
+PLAIN, SEALED = b"\x00", b"\x01"  # the link's mode byte
+ENCRYPTED_SCHEMES = ("tcp",)  # shm moves bodies through shared memory, never a network
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
@@ -54,18 +68,38 @@ class _Refused(Exception):
     """The peer broke the handshake; the message says how."""
 
 
-def proof(key: bytes, peer_nonce: bytes, own_nonce: bytes) -> bytes:
-    """What one side sends to prove it holds ``key``: HMAC-SHA256 over P + the peer's nonce + its own."""
-    return hmac.new(key, PROTOCOL + peer_nonce + own_nonce, hashlib.sha256).digest()
+def proof(key: bytes, peer_nonce: bytes, own_nonce: bytes, mode: bytes = PLAIN) -> bytes:
+    """What one side sends to prove it holds ``key``: HMAC-SHA256 over P + the peer's nonce +
+    its own + the link's mode."""
+    return hmac.new(key, PROTOCOL + peer_nonce + own_nonce + mode, hashlib.sha256).digest()
+
+
+def link_encrypted(config: TransferConfig, scheme: str) -> bool:
+    """Whether a link of ``scheme`` under ``config`` is sealed: ``encrypt`` on a tcp link (shm
+    stays on the host; ucx refuses ``encrypt`` when it starts, ``ucx.ensure_ucx``)."""
+    return bool(config.encrypt and scheme in ENCRYPTED_SCHEMES)
+
+
+def link_keys(key: bytes, listener_nonce: bytes, connector_nonce: bytes) -> tuple[bytes, bytes]:
+    """The link's AES-256-GCM keys (connector -> listener, listener -> connector): HKDF-SHA256
+    of the transfer key, salted with both handshake nonces, so every connection has its own."""
+    okm = HKDF(
+        algorithm=hashes.SHA256(), length=2 * KEY_BYTES, salt=listener_nonce + connector_nonce,
+        info=PROTOCOL + b" aes-256-gcm link keys",
+    ).derive(key)
+    return okm[:KEY_BYTES], okm[KEY_BYTES:]
 
 
 def connection_factory(
-    config: TransferConfig, on_connected: Callable[[FrameConnection], None] | None = None
+    config: TransferConfig,
+    on_connected: Callable[[FrameConnection], None] | None = None,
+    defer_data_bodies: bool = False,
 ) -> Callable[[], FrameConnection]:
     """Protocol factory of a stream connection that starts with the handshake's body limit
-    (``HANDSHAKE_BODY_BYTES`` when a key is set) until ``accept_peer``/``prove_to`` lift it."""
+    (``HANDSHAKE_BODY_BYTES`` when a key is set) until ``accept_peer``/``prove_to`` lift it
+    (``defer_data_bodies``: see ``wire.FrameConnection``)."""
     first_limit = HANDSHAKE_BODY_BYTES if config.auth_key else config.max_frame_bytes
-    return lambda: FrameConnection(first_limit, on_connected)
+    return lambda: FrameConnection(first_limit, on_connected, defer_data_bodies)
 
 
 def describe_peer(conn: FrameConnection) -> str:
@@ -84,12 +118,16 @@ def describe_peer(conn: FrameConnection) -> str:
     return repr(peer) if peer else "an unknown peer"
 
 
-async def _read_auth(conn: FrameConnection) -> bytes:
-    """The body of the next frame, which must be an AUTH frame; _Refused otherwise."""
+async def _read_auth(conn: FrameConnection, before_release: Callable[[bytes], None] | None = None) -> bytes:
+    """The body of the next frame, which must be an AUTH frame; _Refused otherwise.
+    ``before_release(body)`` runs before the connection parses anything behind it (where a
+    sealed stream starts)."""
     item = await conn.next_frame()
     if isinstance(item, LinkClosed):
         raise _Refused(f"the connection closed ({item.reason})")
     payload = bytes(item.inline) if item.inline is not None else b""
+    if item.header.kind == Kind.AUTH and before_release is not None:
+        before_release(payload)
     if item.inline is not None:
         conn.release()
     if item.header.kind != Kind.AUTH:
@@ -108,20 +146,28 @@ async def accept_peer(conn: FrameConnection, config: TransferConfig, scheme: str
     key = config.auth_key
     peer = describe_peer(conn)
     nonce = secrets.token_bytes(NONCE_BYTES) if key else b""
+    mode = SEALED if link_encrypted(config, scheme) else PLAIN
+
+    def switch_reading(answer: bytes) -> None:  # the connector seals everything after its proof
+        if mode == SEALED and len(answer) == HANDSHAKE_BODY_BYTES:
+            conn.set_receive_cipher(Direction(link_keys(key, nonce, answer[MAC_BYTES:])[0], CONNECTOR_TO_LISTENER))
+
     try:
-        await _send_auth(conn, nonce)
+        await _send_auth(conn, nonce + mode if key else b"")
         if not key:
             return True
         async with asyncio.timeout(config.connect_timeout_s):
-            answer = await _read_auth(conn)
+            answer = await _read_auth(conn, switch_reading)
         if len(answer) != HANDSHAKE_BODY_BYTES:
             raise _Refused(
                 f"its answer has {len(answer)} bytes, not {HANDSHAKE_BODY_BYTES} (a peer without an auth_key?)"
             )
         mac, peer_nonce = answer[:MAC_BYTES], answer[MAC_BYTES:]
-        if not hmac.compare_digest(mac, proof(key, nonce, peer_nonce)):
-            raise _Refused("its proof is wrong (its auth_key differs)")
-        await _send_auth(conn, proof(key, peer_nonce, nonce))
+        if not hmac.compare_digest(mac, proof(key, nonce, peer_nonce, mode)):
+            raise _Refused("its proof is wrong (its auth_key differs, or a relay changed the link's mode)")
+        await _send_auth(conn, proof(key, peer_nonce, nonce, mode))
+        if mode == SEALED:
+            conn.set_send_cipher(Direction(link_keys(key, nonce, peer_nonce)[1], LISTENER_TO_CONNECTOR))
     except (_Refused, ConnectionError, TimeoutError) as exc:
         why = f"no answer within {config.connect_timeout_s:g} s" if isinstance(exc, TimeoutError) else str(exc)
         logger.warning("transfer peer %s did not authenticate on %s: %s; disconnected", peer, scheme, why)
@@ -132,10 +178,45 @@ async def accept_peer(conn: FrameConnection, config: TransferConfig, scheme: str
     return True
 
 
+def _mode_mismatch(listener_mode: bytes) -> str:
+    if listener_mode == SEALED:
+        return "it encrypts its link and this sender does not (TransferConfig.encrypt differs: turn it on both ends)"
+    if listener_mode == PLAIN:
+        return "this sender encrypts its link and it does not (TransferConfig.encrypt differs: turn it on both ends)"
+    return f"its challenge names an unknown link mode {listener_mode!r}"
+
+
+async def _answer(conn: FrameConnection, key: bytes, encrypt: bool, challenge: bytes) -> None:
+    """The connector's part after the listener's challenge: prove the key, check the
+    listener's proof, seal the link if its mode says so; _Refused otherwise."""
+    if len(challenge) != CHALLENGE_BYTES:
+        raise _Refused(f"its challenge has {len(challenge)} bytes, not {CHALLENGE_BYTES}")
+    challenge, mode = challenge[:NONCE_BYTES], challenge[NONCE_BYTES:]
+    if mode != (SEALED if encrypt else PLAIN):
+        raise _Refused(_mode_mismatch(mode))
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    await _send_auth(conn, proof(key, challenge, nonce, mode) + nonce)
+    keys = link_keys(key, challenge, nonce) if mode == SEALED else None
+
+    def switch_reading(_: bytes) -> None:  # the listener seals everything after its proof
+        if keys is not None:
+            conn.set_receive_cipher(Direction(keys[1], LISTENER_TO_CONNECTOR))
+
+    try:
+        answer = await _read_auth(conn, switch_reading)
+    except _Refused as exc:
+        raise _Refused(f"it refused our proof, {exc} (do the auth_keys differ?)") from None
+    if not hmac.compare_digest(answer, proof(key, nonce, challenge, mode)):
+        raise _Refused("its proof is wrong (its auth_key differs)")
+    if keys is not None:
+        conn.set_send_cipher(Direction(keys[0], CONNECTOR_TO_LISTENER))
+
+
 async def prove_to(conn: FrameConnection, config: TransferConfig, address: str) -> None:
     """Connector side, first thing on a new connection to the listener at ``address``:
-    returns once both sides are authenticated (or neither has a key); TransferError naming
-    the reason otherwise. The caller closes the connection on error."""
+    returns once both sides are authenticated (or neither has a key), the link sealed if its
+    mode says so; TransferError naming the reason otherwise. The caller closes the connection
+    on error."""
     key = config.auth_key
     scheme = address.partition("://")[0]
     try:
@@ -146,22 +227,12 @@ async def prove_to(conn: FrameConnection, config: TransferConfig, address: str) 
                     raise _Refused("it requires authentication and this sender has no auth_key")
                 if key and not challenge:
                     raise _Refused("it has no auth_key and this sender has one; both ends need the same key")
-                if not key:
-                    return
-                if len(challenge) != NONCE_BYTES:
-                    raise _Refused(f"its challenge has {len(challenge)} bytes, not {NONCE_BYTES}")
-                nonce = secrets.token_bytes(NONCE_BYTES)
-                await _send_auth(conn, proof(key, challenge, nonce) + nonce)
-                try:
-                    answer = await _read_auth(conn)
-                except _Refused as exc:
-                    raise _Refused(f"it refused our proof, {exc} (do the auth_keys differ?)") from None
+                if key:
+                    await _answer(conn, key, link_encrypted(config, scheme), challenge)
         except TimeoutError:
             raise _Refused(f"no authentication from it within {config.connect_timeout_s:g} s") from None
         except ConnectionError as exc:
             raise _Refused(f"the connection failed ({exc})") from None
-        if not hmac.compare_digest(answer, proof(key, nonce, challenge)):
-            raise _Refused("its proof is wrong (its auth_key differs)")
     except _Refused as exc:
         logger.warning("transfer peer %s did not authenticate: %s", address, exc)
         process_link(scheme, "send").auth_failure()

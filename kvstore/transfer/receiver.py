@@ -3,7 +3,11 @@ writes it into the destination of the request it belongs to, or, for a chunk a s
 sender wrote straight into the destination (``base.DirectSink``), verifies it there.
 
 Threads: all connection handling, checksum verification and ``sink.write`` calls run on the
-I/O thread (``ioloop.IoThread``), one connection's frames strictly in order. Caller threads
+I/O thread (``ioloop.IoThread``), one connection's frames strictly in order. A data frame's
+header is admitted before its body is read: a sink with ``views`` (``base.ViewSink``) then has
+the body received straight into its destination (tcp: no staging copy; the checksum is
+computed as the body lands and compared once it is in), any other sink gets ``write`` of a
+verified copy. Caller threads
 use ``expect``/``wait_layer``/``wait_complete``/``cancel``, which go through the locked
 ``stream.RequestTable``; never call the blocking waits from the I/O thread.
 
@@ -53,7 +57,7 @@ from kvstore.transfer.base import (
     TransferResult,
 )
 from kvstore.transfer.direct import checksum_of
-from kvstore.transfer.frames import FLAG_DIRECT, FrameError, FrameHeader, Kind, checksum, control_header
+from kvstore.transfer.frames import FLAG_DIRECT, FrameError, FrameHeader, Kind, control_header
 from kvstore.transfer.ioloop import IoThread
 from kvstore.transfer.metrics import ProcessLink, process_link
 from kvstore.transfer.registry import get_backend
@@ -251,7 +255,6 @@ class Receiver:
 
     async def _on_data(self, link: RecvLink, conn_id: int, frame: Frame, told: set[str]) -> None:
         header = frame.header
-        body = await link.read_body(frame)  # always consume the body, even to drop it
         self.frames_received += 1
         self.bytes_received += header.body_bytes
         metrics = self._link_metrics[conn_id]
@@ -261,29 +264,51 @@ class Receiver:
             reason = self._verify_in_place(header, conn_id, metrics)
         else:
             sink, reason = self._table.admit(header, conn_id)
-            if sink is not None:
-                reason = self._deliver(sink, body, header, metrics)
+            if sink is None:
+                await link.read_data(frame, None)  # always consume the body, even to drop it
+            else:
+                reason = await self._deliver(link, frame, sink, metrics)
         if reason is not None:
             self.frames_rejected += 1
             self._reject(link, header, reason, told)
         link.ack(header.seq)
 
-    def _deliver(self, sink: Sink, body: memoryview, header: FrameHeader, metrics: ProcessLink) -> str | None:
-        """Verify the body and hand it to the sink; returns why it failed, or None."""
-        actual = checksum(header.checksum_algo, body)
-        if actual != header.body_checksum:
-            metrics.checksum_failure()
-            reason = _mismatch(header, actual)
+    async def _deliver(self, link: RecvLink, frame: Frame, sink: Sink, metrics: ProcessLink) -> str | None:
+        """Receive the body, verify it and hand it to the sink; returns why it failed, or None.
+
+        A sink with ``views`` (``base.ViewSink``) gets the body received straight into its
+        destination, checksummed as it lands; any other sink gets ``write`` of a verified copy."""
+        header = frame.header
+        try:
+            views = _views_of(sink, header)
+        except ValueError as exc:
+            await link.read_data(frame, None)
+            reason = f"destination rejected {header.describe()}: {exc}"
         else:
-            try:
-                sink.write(header.kind, header.layer, header.token_start, header.token_end, as_tensor(body, header))
-            except ValueError as exc:
-                reason = f"destination rejected {header.describe()}: {exc}"
-            else:
-                self._table.record(header)
+            body, actual, expected = await link.read_data(frame, views)
+            reason = self._accept(sink, views, body, header, (actual, expected), metrics)
+            if reason is None:
                 return None
         self._table.fail(header.request_id, reason)
         return reason
+
+    def _accept(
+        self, sink: Sink, views: list | None, body: memoryview, header: FrameHeader, checksums: tuple[int, int],
+        metrics: ProcessLink,
+    ) -> str | None:
+        """Count a received body whose checksums are ``(actual, expected)`` (written by ``sink``
+        first unless it already lies in ``views``); returns why it failed, or None."""
+        actual, expected = checksums
+        if actual != expected:
+            metrics.checksum_failure()
+            return _mismatch(header, expected, actual)
+        if views is None:
+            try:
+                sink.write(header.kind, header.layer, header.token_start, header.token_end, as_tensor(body, header))
+            except ValueError as exc:
+                return f"destination rejected {header.describe()}: {exc}"
+        self._table.record(header)
+        return None
 
     def _verify_in_place(self, header: FrameHeader, conn_id: int, metrics: ProcessLink) -> str | None:
         """Check a chunk the peer wrote into the destination: the receiver's own placement says
@@ -300,7 +325,7 @@ class Receiver:
                 self._table.record(header)
                 return None
             metrics.checksum_failure()
-            reason = _mismatch(header, actual) + " (written directly into the destination)"
+            reason = _mismatch(header, header.body_checksum, actual) + " (written directly into the destination)"
         self._table.fail(header.request_id, reason)
         return reason
 
@@ -313,8 +338,20 @@ class Receiver:
         link.reply(control_header(Kind.ERROR, header.request_id, payload=payload), payload)
 
 
-def _mismatch(header: FrameHeader, actual: int) -> str:
+def _views_of(sink: Sink, header: FrameHeader) -> list | None:
+    """The destination views a ``ViewSink`` gives for the chunk, checked to hold its body
+    exactly; None for a sink without them. ValueError when the sink has no such destination."""
+    views = getattr(sink, "views", None)
+    if views is None:
+        return None
+    found = views(header.kind, header.layer, header.token_start, header.token_end)
+    if found is not None and sum(len(v) for v in found) != header.body_bytes:
+        raise ValueError(f"its destination holds {sum(len(v) for v in found)} bytes, the chunk {header.body_bytes}")
+    return found
+
+
+def _mismatch(header: FrameHeader, expected: int, actual: int) -> str:
     return (
-        f"checksum mismatch in {header.describe()}: header says {header.body_checksum:#010x}, "
+        f"checksum mismatch in {header.describe()}: the sender says {expected:#010x}, "
         f"body hashes to {actual:#010x} ({header.checksum_algo.name.lower()}); corrupted in transit"
     )

@@ -44,7 +44,7 @@ from kvstore.transfer.frames import FLAG_DIRECT, HEADER_BYTES, FrameError, Frame
 from kvstore.transfer.placement import Placement
 from kvstore.transfer.ring import SHM_DIR, ShmRing
 from kvstore.transfer.tcp import StreamListener, serve_factory
-from kvstore.transfer.wire import FrameConnection, StreamRecvLink, StreamSendLink, seal
+from kvstore.transfer.wire import FrameConnection, StreamRecvLink, StreamSendLink, land, seal
 
 logger = logging.getLogger(__name__)
 
@@ -238,16 +238,15 @@ class ShmRecvLink(StreamRecvLink):
         super().__init__(conn)
         self._ring = memoryview(ring_map)
 
-    async def read_body(self, frame: Frame) -> memoryview:
+    async def read_data(self, frame: Frame, targets: list | None) -> tuple[memoryview, int, int]:
+        """A ring slot's body: checksummed while it is copied into ``targets`` (or as it is)."""
         header = frame.header
-        if frame.inline is not None or not header.kind.is_data:
-            return await super().read_body(frame)
-        if header.flags & FLAG_DIRECT:
-            return memoryview(b"")  # the receiver verifies it where the sender wrote it
+        if frame.inline is not None or header.flags & FLAG_DIRECT:
+            return await super().read_data(frame, targets)
         end = header.aux + header.body_bytes
         if end > len(self._ring):
             raise FrameError(f"{header.describe()}: ring slot [{header.aux}, {end}) beyond ring of {len(self._ring)}")
-        return self._ring[header.aux : end]
+        return land(header, self._ring[header.aux : end], targets)
 
 
 def _peer_credentials(sock) -> tuple[int, int, int]:

@@ -2,9 +2,11 @@
 collector. They run on the receiver's I/O thread (see ``base.Sink``) and own no locks: the
 destination pages of a request are not read until its transfer completes.
 
-``PagePoolSink.placement`` describes its destination for direct writes when the pool and the
-state tensors live in shareable memory (``regions``); the shm backend then lets the sender
-write chunks straight into the pages and verifies them there (one copy).
+``PagePoolSink.views`` names where each chunk lands in host memory, so the tcp backend receives
+a body straight into the pages (no staging copy) and verifies it there. ``placement`` describes
+the destination for direct writes when the pool and the state tensors live in shareable memory
+(``regions``); the shm backend then lets the sender write chunks straight into the pages and
+verifies them there (one copy).
 
 Token t of a request lives at page ``page_table[t // block_size]``, row ``t % block_size``::
 
@@ -87,6 +89,27 @@ class PagePoolSink:
         for _, offset, nbytes in self._rows.segments(layer, token_start, token_end):
             np.copyto(self._pool_bytes[offset : offset + nbytes], source[position : position + nbytes])
             position += nbytes
+
+    def views(self, kind: Kind, layer: int, token_start: int, token_end: int) -> list[np.ndarray] | None:
+        """Writable byte views of where a chunk goes, in body order (``base.ViewSink``: a stream
+        backend receives the body straight into them, then verifies it); None when that memory
+        is not host memory (a device pool: ``write`` scatters it). ValueError for a chunk that
+        has no destination here."""
+        if kind == Kind.MLA_ROWS:
+            if layer not in self.mla_slot:
+                raise ValueError(f"no pool slot for MLA layer {layer}")
+            if token_end > self.page_table.numel() * self.block_size:
+                raise ValueError(f"tokens up to {token_end} exceed the {self.page_table.numel()} pages reserved")
+            if self._pool_bytes is None:
+                return None
+            return [self._pool_bytes[o : o + n] for _, o, n in self._rows.segments(layer, token_start, token_end)]
+        if kind in (Kind.KDA_STATE, Kind.KDA_CONV):
+            table = self.kda_state if kind == Kind.KDA_STATE else self.kda_conv
+            if layer not in table:
+                raise ValueError(f"no {kind.name} destination for layer {layer}")
+            tensor = table[layer]
+            return [_bytes_of(tensor)] if tensor.device.type == "cpu" and tensor.is_contiguous() else None
+        raise ValueError(f"PagePoolSink takes no {kind.name}")
 
     def placement(self) -> LocalPlacement | None:
         """Every destination as byte ranges of shared memory, or None if any of it is private

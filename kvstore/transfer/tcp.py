@@ -1,8 +1,9 @@
 """TCP backend: frames with inline bodies over one asyncio (uvloop) stream per sender.
 
-Bodies leave straight from the tensor's memory (``writelines`` of a memoryview) and land in the
-receiving connection's staging buffer via ``recv_into`` (``wire.FrameConnection``); the sink
-then copies them into the destination. Listeners bind ``config.bind_host`` (127.0.0.1 by
+Bodies leave straight from the tensor's memory (``writelines`` of a memoryview) and land, via
+``recv_into``, straight in the destination pages when the sink names them (``base.ViewSink``),
+checksummed piece by piece as they land (``wire.FrameConnection.receive_into``); otherwise in
+the connection's staging buffer, from which the sink copies them. Listeners bind ``config.bind_host`` (127.0.0.1 by
 default). Every stream connection, of this backend and of shm and ucx (``serve_factory``,
 ``open_tcp``), starts with the authentication exchange of ``auth``. Runs on the I/O loop only.
 """
@@ -52,10 +53,12 @@ def serve_factory(
     make_link: Callable[[FrameConnection], Awaitable[RecvLink]],
     on_link: Callable[[RecvLink], Awaitable[None]],
     tasks: set[asyncio.Task],
+    defer_data_bodies: bool = False,
 ):
     """Protocol factory for a listener: each accepted connection authenticates its peer
     (``auth.accept_peer``; a peer that fails is dropped there), then runs
-    ``on_link(make_link(conn))``."""
+    ``on_link(make_link(conn))``. ``defer_data_bodies``: inline data bodies wait for the
+    receiver to say where they go (``wire.FrameConnection.receive_into``)."""
 
     async def accept(conn: FrameConnection) -> None:
         if not await accept_peer(conn, config, scheme):
@@ -73,7 +76,7 @@ def serve_factory(
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    return connection_factory(config, on_connected)
+    return connection_factory(config, on_connected, defer_data_bodies)
 
 
 async def _plain_link(conn: FrameConnection) -> RecvLink:
@@ -86,7 +89,7 @@ class TcpBackend:
 
     async def listen(self, config: TransferConfig, on_link: Callable[[RecvLink], Awaitable[None]]) -> StreamListener:
         tasks: set[asyncio.Task] = set()
-        factory = serve_factory(config, self.scheme, _plain_link, on_link, tasks)
+        factory = serve_factory(config, self.scheme, _plain_link, on_link, tasks, defer_data_bodies=True)
         server = await asyncio.get_running_loop().create_server(factory, config.bind_host, 0)
         host, port = server.sockets[0].getsockname()[:2]
         return StreamListener(str(Address("tcp", host=config.advertise_host or host, port=port)), server, tasks)

@@ -2,8 +2,8 @@
 
 Mechanism tests pin the frame layout, the receiver's bookkeeping, the shm ring and direct
 placements (segments, wire form, the fence) at tiny sizes. Contract tests run over every
-available backend (shm, tcp, and ucx when ucxx imports) with the two ends in different
-processes (``transfer_peer.py``): byte-exact layerwise delivery, corruption (and the same
+backend (shm, tcp and ucx: the test install has ucxx, so none is skipped) with the two ends in
+different processes (``transfer_peer.py``): byte-exact layerwise delivery, corruption (and the same
 request id sent again after an abort, as a retry does), truncation, a killed peer on either
 side, backpressure, deadlines and the rejection of unexpected requests. Authentication is in
 ``test_transfer_auth.py``.

@@ -22,7 +22,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from kvstore.transfer import Address, BlobSink, Expected, Kind, Receiver, TransferConfig, TransferError, connect
-from kvstore.transfer.auth import MAC_BYTES, NONCE_BYTES, PROTOCOL, proof
+from kvstore.transfer.auth import CHALLENGE_BYTES, MAC_BYTES, NONCE_BYTES, PLAIN, PROTOCOL, SEALED, proof
 from kvstore.transfer.frames import (
     FLAG_INLINE_BODY,
     HEADER_BYTES,
@@ -95,6 +95,7 @@ def test_proofs_bind_both_nonces_in_order_so_none_can_be_reflected():
     a, b = bytes(NONCE_BYTES), bytes([1]) * NONCE_BYTES
     assert proof(KEY, a, b) != proof(KEY, b, a)  # the listener's proof is not the connector's
     assert proof(KEY, a, b) != proof(OTHER_KEY, a, b)
+    assert proof(KEY, a, b, PLAIN) != proof(KEY, a, b, SEALED)  # a relay cannot strip the encryption
     assert len(proof(KEY, a, b)) == MAC_BYTES and PROTOCOL == b"tidekv-transfer/1"
     with pytest.raises(ValueError, match="at least 16"):
         TransferConfig(auth_key=b"short")
@@ -190,9 +191,10 @@ def read_exactly(sock: socket.socket, nbytes: int) -> bytes:
 
 
 def read_challenge(sock: socket.socket) -> bytes:
+    """The listener's nonce (its challenge's last byte is the link's mode)."""
     header = unpack_header(read_exactly(sock, HEADER_BYTES))
-    assert header.kind == Kind.AUTH and header.body_bytes == NONCE_BYTES
-    return read_exactly(sock, NONCE_BYTES)
+    assert header.kind == Kind.AUTH and header.body_bytes == CHALLENGE_BYTES
+    return read_exactly(sock, CHALLENGE_BYTES)[:NONCE_BYTES]
 
 
 def closed_by_listener(sock: socket.socket) -> bool:
@@ -277,8 +279,8 @@ def test_sender_refuses_a_listener_that_cannot_prove_the_key(registry):
     def rogue() -> None:
         conn, _ = server.accept()
         with conn:
-            nonce = os.urandom(NONCE_BYTES)
-            conn.sendall(control_header(Kind.AUTH, "", payload=nonce).pack() + nonce)
+            challenge = os.urandom(NONCE_BYTES) + PLAIN
+            conn.sendall(control_header(Kind.AUTH, "", payload=challenge).pack() + challenge)
             unpack_header(read_exactly(conn, HEADER_BYTES))
             got["answer"] = read_exactly(conn, MAC_BYTES + NONCE_BYTES)
             fake = bytes(MAC_BYTES)

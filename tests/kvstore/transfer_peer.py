@@ -6,7 +6,8 @@ the given requests into a page pool (behind a slow sink with ``--sink-delay-s``,
 reaches through its ring; without one, shm senders write into the pool directly) and reports
 a digest of what landed; ``--announce-layer L`` also reports (event "layer") once layer L of
 a request has landed, with the receiver's count of direct frames. Both take ``--auth-key HEX``
-(``TransferConfig.auth_key``). Every report is one JSON line on stdout.
+(``TransferConfig.auth_key``) and ``--encrypt`` (``TransferConfig.encrypt``). Every report is
+one JSON line on stdout.
 
 ``make_destination`` builds the page pool in shareable memory by default, as a decode worker's
 cache is, so shm senders write into it directly; ``shared=False`` keeps it private (the ring).
@@ -105,6 +106,7 @@ def run_send(args: argparse.Namespace) -> None:
         max_inflight_bytes=args.max_inflight_bytes,
         max_frame_bytes=args.max_frame_bytes,
         auth_key=bytes.fromhex(args.auth_key),
+        encrypt=args.encrypt,
     )
     faults = FaultInjection(corrupt_seq=args.corrupt_seq, truncate_seq=args.truncate_seq)
     data = source(args.seed)
@@ -195,7 +197,7 @@ def received(sink, layout: Layout = LAYOUT) -> dict[tuple[str, int], np.ndarray]
 def run_receive(args: argparse.Namespace) -> None:
     from kvstore.transfer import Receiver
 
-    config = TransferConfig(deadline_s=args.deadline_s, auth_key=bytes.fromhex(args.auth_key))
+    config = TransferConfig(deadline_s=args.deadline_s, auth_key=bytes.fromhex(args.auth_key), encrypt=args.encrypt)
     rx = Receiver(config, backends=args.backend)
     sinks = {}
     for rid in args.rids.split(","):
@@ -237,6 +239,7 @@ def main() -> None:
     send.add_argument("--max-frame-bytes", type=int, default=1 << 20)
     send.add_argument("--as-uid", type=int, help="drop to this uid before connecting")
     send.add_argument("--auth-key", default="", help="TransferConfig.auth_key, hex")
+    send.add_argument("--encrypt", action="store_true", help="TransferConfig.encrypt")
     receive = sub.add_parser("receive")
     receive.add_argument("--backend", required=True)
     receive.add_argument("--rids", required=True)
@@ -244,6 +247,7 @@ def main() -> None:
     receive.add_argument("--deadline-s", type=float, default=20.0)
     receive.add_argument("--announce-layer", type=int, help="report when this layer of a request has landed")
     receive.add_argument("--auth-key", default="", help="TransferConfig.auth_key, hex")
+    receive.add_argument("--encrypt", action="store_true", help="TransferConfig.encrypt")
     args = parser.parse_args()
     run_send(args) if args.mode == "send" else run_receive(args)
 

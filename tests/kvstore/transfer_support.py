@@ -1,6 +1,7 @@
-"""Parent-side helpers of the transfer tests: ``BACKENDS`` (every backend, ucx skipped where
-ucxx does not import) and ``Peer``, a ``transfer_peer.py`` child process whose JSON lines
-arrive on a queue, killed at teardown (the ``spawn`` fixture of conftest)."""
+"""Parent-side helpers of the transfer tests: ``BACKENDS`` (every backend; ucx is part of the
+test install, ``scripts/dev.sh test``, so its tests never skip) and ``Peer``, a
+``transfer_peer.py`` child process whose JSON lines arrive on a queue, killed at teardown
+(the ``spawn`` fixture of conftest)."""
 
 from __future__ import annotations
 
@@ -16,17 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.transfer import ucx_unavailable_reason
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PEER_SCRIPT = Path(__file__).with_name("transfer_peer.py")
 EVENT_TIMEOUT_S = 30.0
-_UCX_SKIP = ucx_unavailable_reason()
-BACKENDS = [
-    "shm",
-    "tcp",
-    pytest.param("ucx", marks=pytest.mark.skipif(_UCX_SKIP is not None, reason=f"ucx: {_UCX_SKIP}")),
-]
+BACKENDS = ["shm", "tcp", "ucx"]
 
 
 class Peer:
