@@ -53,6 +53,19 @@ def _is_present(entry: bool | Tier | None) -> bool:
     return entry is not None and entry is not False
 
 
+def usable_length(resumable: Sequence[bool] | bytes) -> int:
+    """The hybrid rule over a run of blocks that are all present: the number of leading
+    blocks reusable, i.e. one past the deepest block at whose end the model can resume (it
+    carries a KDA snapshot). ``resumable`` may be bools, or ``bytes`` of 0/1 flags (the
+    indexes' fast path: one C call over a whole match)."""
+    if isinstance(resumable, bytes | bytearray):
+        return resumable.rfind(1) + 1
+    for i in range(len(resumable) - 1, -1, -1):
+        if resumable[i]:
+            return i + 1
+    return 0
+
+
 def usable_prefix(present: Sequence[bool | Tier | None], has_snapshot: Sequence[bool]) -> int:
     """Number of leading blocks reusable under the hybrid rule (see the module docstring).
 
@@ -61,13 +74,7 @@ def usable_prefix(present: Sequence[bool | Tier | None], has_snapshot: Sequence[
     """
     if len(present) != len(has_snapshot):
         raise ValueError(f"present has {len(present)} entries but has_snapshot has {len(has_snapshot)}")
-    usable = 0
-    for i, entry in enumerate(present):
-        if not _is_present(entry):
-            break
-        if has_snapshot[i]:
-            usable = i + 1
-    return usable
+    return usable_length(has_snapshot[: leading_present(present)])
 
 
 def leading_present(present: Sequence[bool | Tier | None]) -> int:

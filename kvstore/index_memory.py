@@ -30,6 +30,7 @@ import time
 from collections.abc import Sequence
 
 from kvstore.blocks import BlockKey, Tier
+from kvstore.hitrule import usable_length
 from kvstore.index import (
     BlockEvent,
     BlockEventKind,
@@ -178,7 +179,7 @@ class MemoryIndex(GlobalIndex):
         column = matrix[slot :: self._width]
         num_present = column.find(0)
         codes = column if num_present < 0 else column[:num_present]
-        num_usable = codes.translate(_SNAPSHOT_OF_CODE).rfind(1) + 1
+        num_usable = usable_length(codes.translate(_SNAPSHOT_OF_CODE))
         return WorkerMatch(worker_id, len(codes), num_usable, codes.translate(_TIER_OF_CODE))
 
     def _slot_locked(self, worker_id: str) -> int:

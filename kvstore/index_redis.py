@@ -45,6 +45,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from kvstore.blocks import BlockKey, Tier
+from kvstore.hitrule import usable_length
 from kvstore.index import (
     BlockEvent,
     GlobalIndex,
@@ -61,6 +62,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 assert max(Tier) < 10, "the scripts encode a tier as one decimal digit"
 _TIER_OF_DIGIT = bytes.maketrans(b"0123456789", bytes(range(10)))  # b"1" -> Tier.DRAM's byte
+_FLAG_OF_DIGIT = _TIER_OF_DIGIT  # b"0" / b"1" -> the 0 / 1 flags of hitrule.usable_length
 
 # Shared Lua prelude. purge(w): drop every block entry of worker w (ARGV[1] is the namespace).
 _PRELUDE = """
@@ -278,7 +280,8 @@ class RedisIndex(GlobalIndex):
         for i in range(0, len(flat), 2):
             values = flat[i + 1].encode()  # "<tier>:<snap>" per block: tiers at 0::3, snapshots at 2::3
             tiers = values[0::3].translate(_TIER_OF_DIGIT)
-            matches.append(WorkerMatch(flat[i], len(tiers), values[2::3].rfind(b"1") + 1, tiers))
+            matches.append(WorkerMatch(flat[i], len(tiers), usable_length(values[2::3].translate(_FLAG_OF_DIGIT)),
+                                       tiers))
         return MatchSnapshot(len(keys), tuple(sorted(matches, key=lambda m: m.worker_id)))
 
     def register(self, worker: WorkerInfo) -> bool:

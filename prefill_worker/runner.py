@@ -34,7 +34,7 @@ import torch
 
 from engine import CacheManager, HybridModel, SamplingParams, SequenceCache, sample
 from kvstore.device import Snapshot
-from kvstore.hitrule import SnapshotPolicy
+from kvstore.hitrule import SnapshotPolicy, usable_length
 from kvstore.index import PrefillJobLoad, WorkerLoad
 from kvstore.payload import BlockPayload, PayloadError, decode
 from kvstore.store import TieredStore
@@ -262,11 +262,9 @@ class PrefillRunner:
                 if p is None:
                     break
                 reuse.loaded.append(p)
-        while reuse.loaded and not reuse.loaded[-1].has_snapshot:
-            reuse.loaded.pop()
-        if not reuse.loaded:
-            while reuse.in_place and reuse.in_place[-1][1] is None:
-                reuse.in_place.pop()
+        usable = usable_length([s is not None for _, s in reuse.in_place] + [p.has_snapshot for p in reuse.loaded])
+        del reuse.loaded[max(0, usable - len(reuse.in_place)):]
+        del reuse.in_place[usable:]
         if reuse.num_blocks < len(keys):
             log.info("request %s: reusing %d of %d planned blocks (%d in place)", job.request_id,
                      reuse.num_blocks, len(keys), len(reuse.in_place))

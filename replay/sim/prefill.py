@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from costmodel import CostModels
 from costmodel.overheads import NO_OVERHEADS, ClusterOverheads
 from kvstore.blocks import BlockKey, Tier
-from kvstore.hitrule import SnapshotPolicy
+from kvstore.hitrule import SnapshotPolicy, usable_length
 from kvstore.index import BlockEvent, GlobalIndex, PrefillJobLoad, WorkerLoad
 from kvstore.placement import Placement, StoreEvent
 from kvstore.sized import SizedBlob, SizedTier
@@ -152,8 +152,7 @@ class SimPrefill:
                 found.append(blob)
                 if on_top and in_place == len(found) - 1:
                     in_place += 1
-        while found and not found[-1].has_snapshot:
-            found.pop()
+        del found[usable_length([b.has_snapshot for b in found]):]
         job.num_reused_tokens = len(found) * self.block_size
         job.num_loaded_tokens = job.num_reused_tokens - min(in_place, len(found)) * self.block_size
         self._flush_events()
