@@ -33,7 +33,7 @@ from pathlib import Path
 
 import grpc
 
-from deploy.cluster_state import ClusterState, WorkerState, workers_from_response, write_state
+from deploy.cluster_state import ClusterState, Endpoint, WorkerState, endpoints, workers_from_response, write_state
 from deploy.supervision import ProcessEvent, RestartPolicy, Supervisor
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
@@ -142,7 +142,8 @@ class LocalCluster:
         if refresh_workers:
             self._refresh_workers()
         return ClusterState(self.endpoint, self.http_url, str(self.log_dir), os.getpid(), time.time(),
-                            self._supervisor.states(), self._workers, self._workers_error)
+                            self._supervisor.states(), self._workers, self._workers_error,
+                            f"127.0.0.1:{self.metrics_port}")
 
     def _write_state(self) -> None:
         with self._state_lock:
@@ -174,6 +175,12 @@ class LocalCluster:
         """Every process's /metrics host:port: the Conductor's and each registered worker's."""
         return [f"127.0.0.1:{self.metrics_port}",
                 *(w.metrics_address for w in self.workers().workers if w.metrics_address)]
+
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        """Every process's addresses (role, worker id, gRPC, transfer, metrics, HTTP), the
+        workers' as the Conductor's registry lists them now."""
+        return endpoints(self.endpoint, f"127.0.0.1:{self.metrics_port}", workers_from_response(self.workers()),
+                         self.http_url)
 
     def conductor_counter(self, name: str) -> float:
         """The Conductor's counter ``tidekv:NAME_total``, summed over its labels (0 when absent)."""
