@@ -87,7 +87,11 @@ def read_ray_status(ray_address: str, namespace: str, auth_mode: str = "") -> Ra
 
     from deploy.ray_launcher import RayCluster, connect
 
-    connect(ray_address, namespace)
+    try:
+        connect(ray_address, namespace)
+    except ConnectionError as e:  # no Ray there, or one that wants a token this driver lacks
+        raise ValueError(f"cannot join the Ray cluster at {ray_address}: {e} (a cluster with token "
+                         f"authentication needs RAY_AUTH_MODE=token and its token)") from None
     try:
         cluster = RayCluster.attach(namespace)
         actors = tuple(cluster.reports())

@@ -83,9 +83,16 @@ def find_metrics(state: str = "", data_dir: str = "") -> tuple[str, list[str]]:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    path = Path(RAY_RUN_FILE) if args.ray else run_file(args.state, args.data_dir)
-    if args.ray or path.name == RAY_RUN_FILE:
-        return _ray_status(args, path)
+    if args.ray:
+        status = read_ray_status(args.ray, args.namespace)
+        print(status.to_json() if args.json else format_ray_status(status))
+        return 0
+    path = run_file(args.state, args.data_dir)
+    if path.name == RAY_RUN_FILE:
+        run = read_ray_run(path)
+        status = read_ray_status(run.ray_address, run.namespace, run.auth_mode)
+        print(status.to_json() if args.json else format_ray_status(status, supervisor_note(run)))
+        return 0
     state = read_state(path)
     if args.json:
         print(state_json(state))
@@ -98,17 +105,6 @@ def _cmd_status(args: argparse.Namespace) -> int:
     except PermissionError:  # alive, another user's
         pass
     print(format_state(state, time.time(), note))
-    return 0
-
-
-def _ray_status(args: argparse.Namespace, path: Path) -> int:
-    """A cluster on Ray: ``--ray ADDRESS`` (and ``--namespace``), else the run file's."""
-    run = None if args.ray else read_ray_run(path)
-    if run is None:
-        status = read_ray_status(args.ray, args.namespace)
-    else:
-        status = read_ray_status(run.ray_address, run.namespace, run.auth_mode)
-    print(status.to_json() if args.json else format_ray_status(status, supervisor_note(run) if run else ""))
     return 0
 
 
