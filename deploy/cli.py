@@ -169,7 +169,7 @@ def _cmd_scale(args: argparse.Namespace) -> int:
 
 def _calibration_for_up(args: argparse.Namespace) -> str:
     """The cost-model file ``tidekv up`` gives its Conductor: --calibration, else the one keyed
-    by model, device and threads in the cache directory, measured now (quick grid, about 20 s,
+    by model, device and threads in the cache directory, measured now (quick grid, about 15 s on 2 cores,
     announced) when missing. Other policies than mooncake need none."""
     if args.calibration or args.policy != "mooncake":
         return args.calibration
