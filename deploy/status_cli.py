@@ -62,7 +62,8 @@ def run_file(state: str = "", data_dir: str = "") -> Path:
     runs = sorted([*UP_RUNS_DIR.expanduser().glob("*/state.json"), *UP_RUNS_DIR.expanduser().glob(f"*/{RAY_RUN_FILE}")],
                   key=lambda p: p.parent.name)
     if not runs:
-        raise ValueError(f"no `tidekv up` run in {UP_RUNS_DIR}: give --data-dir DIR, --state FILE or --ray ADDRESS")
+        raise ValueError(f"no `tidekv up` run in {UP_RUNS_DIR}: give the cluster's --data-dir, or say where it is "
+                         f"(see --help)")
     return runs[-1]
 
 
