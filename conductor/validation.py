@@ -49,7 +49,9 @@ def validate(req: pb.GenerateRequest, cfg: ModelConfig, tokenizer: Tokenizer, li
     s = req.sampling
     max_new = min(limits.max_new_tokens, cfg.max_seq_len - len(ids))
     if not 1 <= s.max_tokens <= max_new:
-        raise ValueError(f"sampling.max_tokens must be in [1, {max_new}], got {s.max_tokens}")
+        why = ("max_new_tokens" if max_new == limits.max_new_tokens else
+               f"the prompt's {len(ids)} tokens leave {max_new} of the model's context of {cfg.max_seq_len}")
+        raise ValueError(f"sampling.max_tokens must be in [1, {max_new}] ({why}), got {s.max_tokens}")
     for name in ("temperature", "top_p"):
         if not math.isfinite(getattr(s, name)):
             raise ValueError(f"sampling.{name} must be finite, got {getattr(s, name)}")
@@ -79,22 +81,25 @@ def _prompt_ids(req: pb.GenerateRequest, cfg: ModelConfig, tokenizer: Tokenizer,
     which = req.WhichOneof("prompt")
     if which is None:
         raise ValueError("prompt: give text or token_ids")
+    # The field's name leads each message (a client's front may rename it: "prompt", "messages").
     limit = min(limits.max_prompt_tokens, cfg.max_seq_len - 1)
+    why = (f"max_prompt_tokens; the model's context is {cfg.max_seq_len} tokens" if limit == limits.max_prompt_tokens
+           else f"the model's context of {cfg.max_seq_len} tokens, less one to generate")
     if which == "text":
         if len(req.text) * 4 > limits.max_prompt_bytes:  # UTF-8 takes at most 4 bytes a character
             size = len(req.text.encode())
             if size > limits.max_prompt_bytes:
-                raise ValueError(f"text: prompt is {size} bytes, the limit is {limits.max_prompt_bytes} "
+                raise ValueError(f"text: {size} bytes of UTF-8, the limit is {limits.max_prompt_bytes} "
                                  f"(max_prompt_bytes)")
         ids = tokenizer.encode(req.text)
     else:
         ids = list(req.token_ids.ids) if len(req.token_ids.ids) <= limit else []
         if not ids and req.token_ids.ids:
-            raise ValueError(f"token_ids: prompt has {len(req.token_ids.ids)} tokens, the limit is {limit}")
+            raise ValueError(f"token_ids: {len(req.token_ids.ids)} tokens, the limit is {limit} ({why})")
     if not ids:
-        raise ValueError(f"{which}: prompt is empty")
+        raise ValueError(f"{which}: empty, give at least one token")
     if len(ids) > limit:
-        raise ValueError(f"{which}: prompt has {len(ids)} tokens, the limit is {limit}")
+        raise ValueError(f"{which}: {len(ids)} tokens, the limit is {limit} ({why})")
     return ids
 
 

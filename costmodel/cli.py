@@ -24,7 +24,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", help="'tiny' or a checkpoint directory")
     p.add_argument("--out", default="", help="calibration file to write (default: keyed file under --data-dir)")
     p.add_argument("--data-dir", default="", help=f"where the keyed file goes (default {DEFAULT_DATA_DIR})")
-    p.add_argument("--quick", action="store_true", help="the quick grid (about 30 s on 2 cores) instead of full")
+    p.add_argument("--quick", action="store_true", help="the quick grid (about 15 s on 2 cores) instead of full")
     p.add_argument("--grid", choices=sorted(GRIDS), default=None,
                    help="measurement grid (default: full; 'quick' = --quick; 'smoke' only tests the pipeline)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: TIDEKV_TORCH_THREADS, default 1)")

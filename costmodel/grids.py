@@ -5,7 +5,11 @@ Held-out points lie between the fit grid's lines (never on them), so their error
 interpolation, the way the Conductor uses the models. Reused prefixes are rounded down to a
 whole number of blocks when the block size does not divide them.
 
-- ``quick``: under ~30 s on a 2-core machine (``tidekv up`` runs it on first start);
+- ``quick``: under ~30 s on a 2-core machine (``tidekv up`` runs it on first start). Its
+  prompts reach 2,048 new tokens after 4,096 reused, so the Conductor's predictions for the
+  prompts it accepts (up to 8,000 tokens) interpolate or extrapolate little: a grid of at
+  most 384 new tokens put the n*n term's error, 5-6x at 6,000-8,000 new tokens, into every
+  long prefill (a 3 s prefill predicted at 15 s, and rejected against a 10 s SLO);
 - ``full``: a few minutes, wider and denser;
 - ``smoke``: a few seconds, for tests of the pipeline; its fit is coarse.
 """
@@ -57,8 +61,8 @@ class CalibrationGrid:
 GRIDS = {
     "quick": CalibrationGrid(
         name="quick",
-        prefill_new=(32, 128, 384), prefill_reused=(0, 256, 1024),
-        prefill_held_out=((64, 512), (224, 128), (96, 0)), prefill_repeats=3,
+        prefill_new=(64, 512, 2048), prefill_reused=(0, 1024, 4096),
+        prefill_held_out=((128, 256), (768, 256), (1024, 2048)), prefill_repeats=3,
         decode_batch=(1, 4, 16), decode_context=(64, 512, 2048),
         decode_held_out=((2, 256), (8, 1024)), decode_steps=3, decode_repeats=2,
         transfer_blocks=(1, 4, 16, 64), transfer_held_out=(8, 32), transfer_repeats=9,

@@ -129,6 +129,7 @@ def _cmd_up_ray(args: argparse.Namespace) -> int:
     try:
         print(format_reports(cluster.reports()), file=sys.stderr)
         http = f", OpenAI HTTP API {cluster.http_url}" if cluster.http_url else ""
+        _record_ray_run(args, config.namespace, cluster.endpoint)
         print(f"tidekv cluster ready: endpoint {cluster.endpoint}{http}", flush=True)
         print(f"model files: {_model_files_for_up(args)} (tokenizer and config for peer tools, e.g. "
               f"aiperf --tokenizer)", file=sys.stderr)
@@ -143,6 +144,19 @@ def _cmd_up_ray(args: argparse.Namespace) -> int:
         if not args.detach:
             cluster.stop()
     return 0
+
+
+def _record_ray_run(args: argparse.Namespace, namespace: str, endpoint: str) -> None:
+    """Leaves where the cluster runs for `tidekv status` and `tidekv top` (deploy/ray_status.py)."""
+    import ray
+
+    from deploy.ray_status import RayRun, current_auth_mode, write_ray_run
+    from deploy.status_cli import new_up_run_dir
+
+    run_dir = Path(args.data_dir) if args.data_dir else new_up_run_dir()
+    gcs = ray.get_runtime_context().gcs_address
+    path = write_ray_run(run_dir, RayRun(gcs, namespace, endpoint, os.getpid(), time.time(), current_auth_mode()))
+    print(f"Ray cluster {gcs}, namespace {namespace} (`tidekv status` reads it; {path})", file=sys.stderr)
 
 
 def _cmd_scale(args: argparse.Namespace) -> int:
@@ -162,7 +176,7 @@ def _cmd_scale(args: argparse.Namespace) -> int:
 
 def _calibration_for_up(args: argparse.Namespace) -> str:
     """The cost-model file ``tidekv up`` gives its Conductor: --calibration, else the one keyed
-    by model, device and threads in the cache directory, measured now (quick grid, about 20 s,
+    by model, device and threads in the cache directory, measured now (quick grid, about 15 s on 2 cores,
     announced) when missing. Other policies than mooncake need none."""
     if args.calibration or args.policy != "mooncake":
         return args.calibration
@@ -217,7 +231,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(f"tidekv cluster ready: endpoint {cluster.endpoints}{http}", flush=True)
         print(f"model files: {_model_files_for_up(args)} (tokenizer and config for peer tools, e.g. "
               f"aiperf --tokenizer)", file=sys.stderr)
-        print(f"metrics: {', '.join(cluster.metrics_addresses())}", file=sys.stderr)
+        from deploy.cluster_state import format_endpoints
+
+        print("\n".join(format_endpoints(cluster.addresses())), file=sys.stderr)
         if not args.api_keys:
             print("WARNING: the public endpoint takes no API key and trusts each request's tenant "
                   "(--insecure-no-auth); give --api-keys FILE to require keys", file=sys.stderr)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import grpc
 
-from deploy.cluster_state import ClusterState, WorkerState, workers_from_response, write_state
+from deploy.cluster_state import ClusterState, Endpoint, WorkerState, endpoints, workers_from_response, write_state
 from deploy.local_store import LocalStore
 from deploy.supervision import ProcessEvent, RestartPolicy, Supervisor
 from proto import internal_pb2 as ipb
@@ -162,8 +162,9 @@ class LocalCluster:
         of the Conductor now, else as last polled)."""
         if refresh_workers:
             self._refresh_workers()
-        return ClusterState(self.endpoint, self.http_url, str(self.log_dir), os.getpid(), time.time(),
-                            self._supervisor.states(), self._workers, self._workers_error)
+        return ClusterState(self.endpoints, self.http_url, str(self.log_dir), os.getpid(), time.time(),
+                            self._supervisor.states(), self._workers, self._workers_error,
+                            ",".join(f"127.0.0.1:{p}" for p in self.metrics_ports))
 
     def _write_state(self) -> None:
         with self._state_lock:
@@ -197,6 +198,12 @@ class LocalCluster:
         return [*(f"127.0.0.1:{p}" for p in self.metrics_ports),
                 *(w.metrics_address for w in self.workers().workers if w.metrics_address),
                 *([f"127.0.0.1:{self.http_port}"] if self.http_port > 0 else [])]
+
+    def addresses(self) -> tuple[Endpoint, ...]:
+        """Every process's addresses (role, worker id, gRPC, transfer, metrics, HTTP), the
+        workers' as the Conductors' registry lists them now."""
+        return endpoints(self.endpoints, ",".join(f"127.0.0.1:{p}" for p in self.metrics_ports),
+                         workers_from_response(self.workers()), self.http_url)
 
     def conductor_counter(self, name: str) -> float:
         """The Conductors' counter ``tidekv:NAME_total``, summed over its labels and the

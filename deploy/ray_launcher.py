@@ -49,8 +49,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from conductor.config import ConductorConfig
 from decode_worker.config import DecodeConfig
+from deploy.cluster_state import Endpoint, WorkerState, format_endpoints, format_table, workers_from_response
 from openai_api.config import FrontConfig
 from prefill_worker.config import PrefillConfig
+from proto import internal_pb2 as ipb
 from runtime.auth import load_secret, new_secret
 from runtime.settings import setup_torch
 
@@ -144,6 +146,7 @@ class ActorReport:
     address: str  # gRPC host:port
     transfer_address: str  # "" for the Conductor
     ready: bool
+    metrics_address: str = ""  # host:port of its /metrics ("" when off)
 
 
 def _placed(role: str, config: Any, node_ip: str, namespace: str) -> Any:
@@ -209,12 +212,22 @@ class RoleActor:
 
     def report(self) -> ActorReport:
         ctx = ray.get_runtime_context()
+        metrics = getattr(self.service, "metrics", None)
         return ActorReport(ctx.get_actor_name() or "", self.role, ctx.get_node_id(), self.node_ip, os.getpid(),
-                           self.address(), getattr(self.service, "transfer_address", ""), self.service.ready())
+                           self.address(), getattr(self.service, "transfer_address", ""), self.service.ready(),
+                           getattr(metrics, "address", ""))
 
     def workers(self) -> list[str]:
         """Worker ids the Conductor holds as registered and alive (the conductor actor only)."""
         return [info.worker_id for info, _ in self.service.cluster.alive()]
+
+    def worker_states(self) -> tuple[WorkerState, ...]:
+        """Each registered worker with its last heartbeat's load (the conductor actor only)."""
+        resp = ipb.WorkersResponse()
+        for info, load in self.service.cluster.alive():
+            resp.workers.append(info)
+            resp.loads.append(load)
+        return workers_from_response(resp)
 
     def cluster_config(self) -> RayClusterConfig | None:
         return self.cluster
@@ -403,6 +416,10 @@ class RayCluster:
         """Worker ids the Conductor holds as alive."""
         return set(ray.get(ray.get_actor(CONDUCTOR, namespace=self.ns).workers.remote(), timeout=10))
 
+    def worker_states(self) -> tuple[WorkerState, ...]:
+        """The registered workers and their loads, as the Conductor holds them."""
+        return ray.get(ray.get_actor(CONDUCTOR, namespace=self.ns).worker_states.remote(), timeout=10)
+
     def _wait_ready(self, actors: dict[str, Any], registered: bool) -> None:
         until, pending, last_error = time.monotonic() + self.config.ready_timeout_s, dict(actors), ""
         while pending:
@@ -445,11 +462,29 @@ class RayCluster:
 
 
 def format_reports(reports: list[ActorReport]) -> str:
-    """One line per actor: name, node, pid, addresses, readiness."""
-    return "\n".join(f"{r.name:<14} node {r.node_ip} ({r.node_id[:8]}) pid {r.pid:<7} "
-                     f"{'http' if r.role == HTTP else 'grpc'} {r.address}"
-                     f"{' transfer ' + r.transfer_address if r.transfer_address else ''}"
-                     f"{'' if r.ready else ' NOT READY'}" for r in reports)
+    """Two tables: each actor (``format_actors``), then every address of each (the table of
+    ``tidekv up``: role, worker id, gRPC, transfer, metrics, HTTP)."""
+    return "\n".join([*format_actors(reports), *format_endpoints(report_endpoints(reports))])
+
+
+def format_actors(reports: list[ActorReport]) -> list[str]:
+    """One row per actor: name, role, node, pid, readiness."""
+    rows = [("ACTOR", "ROLE", "NODE", "PID", "READY")]
+    rows += [(r.name, r.role, f"{r.node_ip} ({r.node_id[:8]})", str(r.pid), "yes" if r.ready else "NOT READY")
+             for r in reports]
+    return format_table(rows)
+
+
+def report_endpoints(reports: list[ActorReport]) -> tuple[Endpoint, ...]:
+    """Every actor's addresses; a worker's id is its actor's name."""
+    def row(r: ActorReport) -> Endpoint:
+        if r.role == HTTP:  # the front serves its /metrics on its own port
+            return Endpoint(HTTP, "", "", "", r.metrics_address or r.address.split("://", 1)[-1].split("/")[0],
+                            r.address)
+        return Endpoint(r.role, "" if r.role == CONDUCTOR else r.name, r.address, r.transfer_address,
+                        r.metrics_address, "")
+
+    return tuple(row(r) for r in reports)
 
 
 def _slot(name: str) -> tuple[int, int]:

@@ -7,6 +7,11 @@ at least 1 m), asked of Prometheus as a range query, and drawn: a timeseries pan
 (legends from ``legendFormat``), a stat panel as its last value over a sparkline, a bargauge
 as horizontal bars of the last values. Files: ``DIR/<dashboard>/<NN>-<slug>.png``. A panel
 whose queries return nothing is still drawn, saying "no data", and reported as such.
+
+How a panel reads: values in its Grafana unit with SI prefixes (``observe.units``: seconds as
+ms or s, bytes as kB/MB/GB, percent, req/s, tok/s), the time axis in local clock time, each
+series its own colour and dash pattern (a series hidden under another still shows), a
+stacked panel stacked, and the legend beside the plot, never over it.
 """
 
 from __future__ import annotations
@@ -18,16 +23,21 @@ import re
 import sys
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - after choosing the display-less backend
+import matplotlib.dates as mdates  # noqa: E402 - after choosing the display-less backend
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from observe.grafana import expand, panels_of  # noqa: E402
 from observe.prometheus import PrometheusClient  # noqa: E402
+from observe.units import Unit, unit_of  # noqa: E402
 
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "deploy" / "grafana"
 Series = tuple[str, list[float], list[float]]  # legend, times (s), values
@@ -67,9 +77,15 @@ def _slug(title: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")[:60] or "panel"
 
 
-def draw(panel: dict[str, Any], series: list[Series], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(8, 3.6), dpi=80)
-    unit = panel.get("fieldConfig", {}).get("defaults", {}).get("unit", "")
+# Colours cycle every 10 series, dash patterns every 4: neighbours differ in both.
+DASHES = ("-", (0, (5, 2)), (0, (1, 1.5)), (0, (6, 2, 1, 2)))
+MAX_SERIES = 12
+
+
+def figure(panel: dict[str, Any], series: list[Series]) -> Figure:
+    """The panel drawn (see the module docstring); the caller saves and closes it."""
+    unit = unit_of(panel.get("fieldConfig", {}).get("defaults", {}).get("unit", ""))
+    fig, ax = plt.subplots(figsize=(10, 3.6), dpi=80)
     ax.set_title(panel.get("title", ""), fontsize=11)
     if not series:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
@@ -77,31 +93,66 @@ def draw(panel: dict[str, Any], series: list[Series], path: Path) -> None:
     elif panel.get("type") == "stat":
         _draw_stat(ax, series, unit)
     elif panel.get("type") == "bargauge":
-        names, values = [s[0] for s in series], [s[2][-1] for s in series]
-        ax.barh(names, values, color="tab:green")
-        ax.set_xlabel(unit)
+        _draw_bars(ax, series, unit)
     else:
-        t0 = min(s[1][0] for s in series)
-        for name, ts, vs in series[:12]:
-            ax.plot([t - t0 for t in ts], vs, label=name[:40], linewidth=1.2)
-        ax.set_xlabel("seconds")
-        ax.set_ylabel(unit)
-        ax.legend(fontsize=7, loc="upper left")
-        ax.grid(alpha=0.3)
+        _draw_lines(ax, series, unit, _stacked(panel))
     fig.tight_layout()
+    return fig
+
+
+def draw(panel: dict[str, Any], series: list[Series], path: Path) -> None:
+    fig = figure(panel, series)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
 
 
-def _draw_stat(ax: Any, series: list[Series], unit: str) -> None:
+def _stacked(panel: dict[str, Any]) -> bool:
+    custom = panel.get("fieldConfig", {}).get("defaults", {}).get("custom", {})
+    return custom.get("stacking", {}).get("mode", "none") != "none"
+
+
+def _clock(ts: list[float]) -> list[datetime]:
+    return [datetime.fromtimestamp(t) for t in ts]
+
+
+def _draw_lines(ax: Any, series: list[Series], unit: Unit, stacked: bool) -> None:
+    shown = series[:MAX_SERIES]
+    if stacked:  # on the union of the series' times, a missing point counting 0
+        grid = sorted({t for _, ts, _ in shown for t in ts})
+        rows = [[dict(zip(ts, vs, strict=True)).get(t, 0.0) for t in grid] for _, ts, vs in shown]
+        ax.stackplot(_clock(grid), rows, labels=[name[:40] for name, _, _ in shown], alpha=0.8)
+    else:
+        for i, (name, ts, vs) in enumerate(shown):
+            ax.plot(_clock(ts), vs, label=name[:40], color=f"C{i % 10}", linestyle=DASHES[i % len(DASHES)],
+                    linewidth=2.4 - 0.4 * (i % len(DASHES)), marker="o" if len(ts) <= 30 else None, markersize=3)
+    ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S"))
+    ax.set_xlabel(f"time ({time.strftime('%Z')})")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: unit.format(v)))
+    ax.set_ylabel(unit.label)
+    ax.grid(alpha=0.3)
+    more = f" (+{len(series) - MAX_SERIES} more)" if len(series) > MAX_SERIES else ""
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
+              title=f"{len(shown)} series{more}", title_fontsize=8)
+
+
+def _draw_bars(ax: Any, series: list[Series], unit: Unit) -> None:
+    names, values = [s[0] for s in series], [s[2][-1] for s in series]
+    bars = ax.barh(names, values, color=[f"C{i % 10}" for i in range(len(series))])
+    ax.bar_label(bars, labels=[unit.format(v) for v in values], padding=3, fontsize=9)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: unit.format(v)))
+    ax.set_xlabel(unit.label)
+    ax.margins(x=0.15)
+
+
+def _draw_stat(ax: Any, series: list[Series], unit: Unit) -> None:
     name, ts, vs = series[0]
-    ax.fill_between(range(len(vs)), vs, alpha=0.25, color="tab:blue")
-    ax.plot(range(len(vs)), vs, color="tab:blue")
-    value = vs[-1]
-    text = f"{value:.1%}" if unit == "percentunit" else f"{value:.4g} {unit if unit != 'short' else ''}"
-    ax.text(0.5, 0.55, text.strip(), ha="center", va="center", transform=ax.transAxes, fontsize=26)
-    ax.set_xticks([])
+    ax.fill_between(_clock(ts), vs, alpha=0.25, color="tab:blue")
+    ax.plot(_clock(ts), vs, color="tab:blue")
+    ax.text(0.5, 0.55, unit.format(vs[-1]), ha="center", va="center", transform=ax.transAxes, fontsize=26)
+    ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S"))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: unit.format(v)))
+    ax.tick_params(labelsize=7)
 
 
 def snapshot(prometheus_url: str, out_dir: str | Path, dashboard_dir: str | Path = DEFAULT_DIR,

@@ -21,6 +21,7 @@ from observe.grafana import WORKER_FILTER as W
 from observe.grafana import Dashboard, Target, bars, stat, ts
 
 R = "[$__rate_interval]"
+TOKENS_PER_S = "suffix: tok/s"  # Grafana's custom unit: the number, then " tok/s"
 
 
 def rate(metric: str, by: str = "", selector: str = "") -> str:
@@ -63,7 +64,7 @@ def overview() -> Dashboard:
                   f'{rate("tidekv:prompt_tokens_total", "tenant")}', "{{tenant}}"), unit="percentunit"),
         ts("Token throughput", Target(rate("tidekv:prompt_tokens_total"), "prompt"),
            Target(rate("tidekv:cached_prompt_tokens_total"), "prompt, cached"),
-           Target(rate("tidekv:generation_tokens_total"), "generated"), unit="short"),
+           Target(rate("tidekv:generation_tokens_total"), "generated"), unit=TOKENS_PER_S),
         ts("Prompt and generation lengths (mean)",
            Target(f'{rate("tidekv:request_prompt_tokens_sum")} / {rate("tidekv:request_prompt_tokens_count")}',
                   "prompt"),
@@ -124,7 +125,8 @@ def scheduler() -> Dashboard:
            Target(f"sum by (worker_id) (tidekv:prefill_queued_requests{{{W}}})", "queued {{worker_id}}"),
            Target(f"sum by (worker_id) (tidekv:prefill_running_requests{{{W}}})", "running {{worker_id}}")),
         ts("Prefill throughput", Target(rate("tidekv:prefill_tokens_total", "worker_id, kind", W),
-                                        "{{worker_id}} {{kind}}"), description="prompt tokens per second"),
+                                        "{{worker_id}} {{kind}}"), unit=TOKENS_PER_S,
+           description="prompt tokens per second"),
         ts("Prefill, chunk and layer time (p99)",
            Target(f"max by (worker_id) (tidekv:prefill_seconds:p99_1m{{{W}}})", "prefill {{worker_id}}"),
            Target(f"max by (worker_id) (tidekv:prefill_chunk_seconds:p99_1m{{{W}}})", "chunk {{worker_id}}"),

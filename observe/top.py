@@ -3,8 +3,10 @@
 Sources: the Conductor's ``/metrics`` (``--endpoint HOST:PORT``: requests, TTFT and ITL
 histograms, cache reuse, and every worker's queue and pages from its heartbeats), optionally
 the workers' own endpoints (``--workers HOST:PORT,...``: KV tiers, decode steps), or all of it
-from a Prometheus (``--prometheus URL``). Each refresh reads them once; rates and percentiles
-cover the interval since the previous refresh (the first screen: everything since start).
+from a Prometheus (``--prometheus URL``). Without any of them, the newest ``tidekv up`` run's
+(or ``--data-dir DIR``'s) Conductor and workers, found as ``tidekv status`` finds them.
+Each refresh reads them once; rates and percentiles cover the interval since the previous
+refresh (the first screen: everything since start).
 ``Screen.render`` is pure (samples in, text out); the loop redraws with ANSI codes until
 Ctrl-C or ``--iterations`` screens.
 """
@@ -180,6 +182,12 @@ def read_all(args: argparse.Namespace) -> list[Sample]:
 
 
 def run_top(args: argparse.Namespace) -> int:
+    if not (args.endpoint or args.prometheus):
+        from deploy.status_cli import find_metrics
+
+        args.endpoint, workers = find_metrics(data_dir=args.data_dir)
+        args.workers = args.workers or ",".join(workers)
+        print(f"tidekv top: the Conductor's metrics at {args.endpoint}, {len(workers)} workers'", file=sys.stderr)
     title = args.prometheus or args.endpoint
     before, last = None, time.monotonic()
     shown = 0
@@ -199,7 +207,9 @@ def run_top(args: argparse.Namespace) -> int:
 def add_top_parser(subparsers: Any) -> argparse.ArgumentParser:
     """``tidekv top``; the parsed namespace's ``func(args)`` runs it."""
     p = subparsers.add_parser("top", help="live terminal view of a cluster's metrics")
-    p.add_argument("--endpoint", default="127.0.0.1:9400", help="the Conductor's metrics address HOST:PORT")
+    p.add_argument("--endpoint", default="", help="the Conductor's metrics address HOST:PORT (default: the newest "
+                                                 "`tidekv up` run's, as `tidekv status` finds it)")
+    p.add_argument("--data-dir", default="", help="the --data-dir of the `tidekv up` to show (instead of the newest)")
     p.add_argument("--workers", default="", help="workers' metrics addresses, HOST:PORT,... (KV tiers)")
     p.add_argument("--prometheus", default="", help="read everything from this Prometheus URL instead")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")

@@ -108,6 +108,13 @@ def _fmt(v: float | None, unit: str = "s") -> str:
     return "-" if v is None else f"{v:.3f}{unit}"
 
 
+def _slo_text(s: Summary) -> str:
+    if s.slo.attainment is None:
+        return "no request has an SLO (--ttft-slo-s, --tbt-slo-s): no goodput or attainment"
+    return (f"goodput {s.slo.goodput_rps:.3f} req/s (SLO attainment {s.slo.attainment:.3f}: {s.slo.num_met} of "
+            f"{s.slo.num_with_slo} with an SLO met it)")
+
+
 def summary_text(s: Summary) -> str:
     """A few lines for a terminal: counts, TTFT/TBT percentiles, goodput, cache ratio."""
     c = s.counts
@@ -116,8 +123,7 @@ def summary_text(s: Summary) -> str:
         f"cancelled {c.cancelled}; duration {s.duration_s:.2f}s",
         f"TTFT p50 {_fmt(s.ttft_s.p50)} p90 {_fmt(s.ttft_s.p90)} p99 {_fmt(s.ttft_s.p99)}; "
         f"TBT p50 {_fmt(s.tbt_s.p50)} p90 {_fmt(s.tbt_s.p90)}; ITL p50 {_fmt(s.itl_s.p50)}",
-        f"goodput {s.slo.goodput_rps:.3f} req/s (SLO attainment {s.slo.attainment:.3f}); "
-        f"cached-token ratio {s.cache.ratio:.3f} ({s.cache.cached_tokens}/{s.cache.prompt_tokens})",
+        f"{_slo_text(s)}; cached-token ratio {s.cache.ratio:.3f} ({s.cache.cached_tokens}/{s.cache.prompt_tokens})",
     ])
 
 
@@ -146,13 +152,13 @@ def run_replay(args: argparse.Namespace) -> int:
 
 
 def run_report_compare(args: argparse.Namespace) -> int:
-    from replay.report import compare_summaries, format_table, load_report, write_comparison
+    from replay.report import compare_summaries, format_table, labels, load_report, write_comparison
 
     a, b = load_report(args.a), load_report(args.b)
     if args.out:
         table, _ = write_comparison(args.out, a, b, plots=not args.no_plots)
     else:
-        table = format_table(compare_summaries(a.summary, b.summary), f"A: {a.path.name}", f"B: {b.path.name}")
+        table = format_table(compare_summaries(a.summary, b.summary), *labels(a, b))
     print(f"A = {a.path} ({a.summary.source}), B = {b.path} ({b.summary.source}), schema {SCHEMA_VERSION}")
     print(table, end="")
     return 0

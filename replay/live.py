@@ -209,8 +209,8 @@ def _dispatch(sender: _Sender, requests: Sequence[ReplayRequest], pool: ThreadPo
             break
         if sender.stopping.is_set():
             break
+        progress.submitted()  # before the submit: a sender may start it (``started``) at once
         futures[i] = pool.submit(sender.send, r)
-        progress.submitted()
         futures[i].add_done_callback(finish)
 
 

@@ -65,15 +65,13 @@ class ComparisonRow:
     metric: str
     a: float | None
     b: float | None
-    ratio: float | None  # b / a; 1.0 when equal (0 and 0 included); None when a is 0 or missing
+    ratio: float | None  # b / a; None (shown "-") when a is 0 (0 and 0 included) or either is missing
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None:
+    if a is None or b is None or a == 0:
         return None
-    if a == b:
-        return 1.0
-    return b / a if a != 0 else None
+    return b / a
 
 
 def compare_summaries(a: Summary, b: Summary) -> list[ComparisonRow]:
@@ -96,12 +94,17 @@ def format_table(rows: Sequence[ComparisonRow], label_a: str, label_b: str) -> s
     return "\n".join(lines) + "\n"
 
 
+def labels(a: Report, b: Report) -> tuple[str, str]:
+    """What a table column and a plot's legend call each run: its directory and its source."""
+    return f"A: {a.path.name} ({a.summary.source})", f"B: {b.path.name} ({b.summary.source})"
+
+
 def write_comparison(out_dir: str | Path, a: Report, b: Report, *, plots: bool = True) -> tuple[str, list[Path]]:
     """Writes ``compare.md``, ``compare.json`` (and overlaid CDFs); returns the table and the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = compare_summaries(a.summary, b.summary)
-    label_a, label_b = f"A: {a.path.name} ({a.summary.source})", f"B: {b.path.name} ({b.summary.source})"
+    label_a, label_b = labels(a, b)
     table = format_table(rows, label_a, label_b)
     (out / "compare.md").write_text(f"# report compare\n\nA = {a.path}\nB = {b.path}\n\n{table}", encoding="utf-8")
     payload = {"a": str(a.path), "b": str(b.path), "rows": [asdict(r) for r in rows]}
@@ -110,5 +113,5 @@ def write_comparison(out_dir: str | Path, a: Report, b: Report, *, plots: bool =
     if plots:
         from replay.plots import plot_compare
 
-        paths += plot_compare(out, {"A": a.records, "B": b.records})
+        paths += plot_compare(out, {label_a: a.records, label_b: b.records})
     return table, paths

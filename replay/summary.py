@@ -11,9 +11,13 @@ Definitions (all times in seconds):
 - ``send_delay_s``: actual minus scheduled arrival over all requests; large when every sender
   was busy (``max_concurrency``) and the replay fell behind the trace's arrival process.
 - ``duration_s``: replay start (0) to the last request's end.
-- ``slo.num_met``: finished requests with TTFT <= their ttft_slo_s and TBT <= their tbt_slo_s
-  (an absent SLO is no constraint); ``goodput_rps = num_met / duration_s``; ``attainment =
-  num_met / total`` (rejected, failed and cancelled requests miss).
+- ``slo``: over the requests that carry an SLO (``num_with_slo``: a ttft_slo_s, a tbt_slo_s or
+  both; a request without one is judged by nothing and counts in none of these).
+  ``num_met``: those that finished with TTFT <= their ttft_slo_s and TBT <= their tbt_slo_s
+  (an absent one of the two is no constraint); ``attainment = num_met / num_with_slo``
+  (rejected, failed and cancelled requests miss); ``goodput_rps = num_met / duration_s``.
+  With no request carrying an SLO, ``attainment`` and ``goodput_rps`` are None (null): there
+  is nothing to attain (give the run ``--ttft-slo-s`` / ``--tbt-slo-s``).
 - ``cache.ratio``: sum of cached tokens / sum of prompt tokens over finished requests.
 - ``workers``: per prefill worker requests, prompt and cached tokens; per decode worker
   requests and output tokens (requests that reached the worker, whatever their end).
@@ -42,9 +46,9 @@ class Counts:
 @dataclass(frozen=True)
 class SloStats:
     num_with_slo: int  # requests that carry a TTFT or TBT SLO
-    num_met: int
-    attainment: float
-    goodput_rps: float
+    num_met: int  # of those, finished within their SLOs
+    attainment: float | None  # num_met / num_with_slo; None without any SLO
+    goodput_rps: float | None  # num_met / duration_s; None without any SLO
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,9 @@ def summarize(records: Sequence[RequestRecord], *, trace: dict[str, Any] | None 
     tbts = [t for t in (tbt_s(r.token_times_s) for r in done) if t is not None]
     gaps = [g for r in done for g in token_intervals(r.token_times_s)]
     duration = max((r.end_s for r in records), default=0.0)
-    met = sum(meets_slo(r.ttft_s, tbt_s(r.token_times_s), r.ttft_slo_s, r.tbt_slo_s) for r in done)
+    judged = [r for r in records if r.ttft_slo_s is not None or r.tbt_slo_s is not None]
+    met = sum(meets_slo(r.ttft_s, tbt_s(r.token_times_s), r.ttft_slo_s, r.tbt_slo_s)
+              for r in judged if r.outcome == FINISHED)
     prompt = sum(r.prompt_tokens or r.prompt_len for r in done)
     cached = sum(r.cached_tokens for r in done)
     per_s = (lambda n: n / duration) if duration > 0 else (lambda n: 0.0)
@@ -146,8 +152,8 @@ def summarize(records: Sequence[RequestRecord], *, trace: dict[str, Any] | None 
         tbt_s=LatencyStats.of(tbts), itl_s=LatencyStats.of(gaps),
         latency_s=LatencyStats.of([r.latency_s for r in done if r.latency_s is not None]),
         send_delay_s=LatencyStats.of([r.arrival_s - r.scheduled_s for r in records]),
-        slo=SloStats(num_with_slo=sum(r.ttft_slo_s is not None or r.tbt_slo_s is not None for r in records),
-                     num_met=met, attainment=met / len(records) if records else 0.0, goodput_rps=per_s(met)),
+        slo=SloStats(num_with_slo=len(judged), num_met=met, attainment=met / len(judged) if judged else None,
+                     goodput_rps=per_s(met) if judged else None),
         cache=CacheStats(prompt_tokens=prompt, cached_tokens=cached, ratio=cached / prompt if prompt else 0.0),
         finished_rps=per_s(len(done)), output_tokens_per_s=per_s(sum(r.num_output_tokens for r in done)),
         workers=_workers(records), trace=trace, run=dict(run or {}))

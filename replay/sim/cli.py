@@ -100,6 +100,9 @@ def _row(shape: dict, result: SimResult) -> dict:
 
 def run_sweep(args: argparse.Namespace, scaled, costs: CostModels) -> tuple[list[dict], dict | None]:
     grid = parse_sweep(args.sweep)
+    if not any(r.ttft_slo_s is not None or r.tbt_slo_s is not None for r in scaled.requests):
+        raise ValueError("--sweep ranks shapes by SLO attainment, and no request has an SLO: "
+                         "give --ttft-slo-s and/or --tbt-slo-s")
     keys = list(grid)
     rows = []
     combos = list(itertools.product(*(grid[k] for k in keys)))

@@ -113,6 +113,23 @@ def test_calibrate_subcommand_flags_and_defaults():
     assert set(GRIDS) == {"quick", "full", "smoke"}
 
 
+def test_the_quick_grid_reaches_the_prompts_the_conductor_accepts():
+    # `tidekv up` calibrates on it. The prefill fit has an n*n term: extrapolated from prompts
+    # 20x shorter than the longest accepted one (the old grid's 384 new tokens against 8,000),
+    # it predicted a 3 s prefill at 15 s and the Conductor rejected it against a 10 s TTFT SLO.
+    from conductor.config import ConductorConfig
+
+    grid, longest = GRIDS["quick"], ConductorConfig().max_prompt_tokens
+    assert max(grid.prefill_new) * 4 >= longest and grid.max_tokens * 2 >= longest
+    assert grid.max_tokens < tiny_max_seq_len()
+
+
+def tiny_max_seq_len() -> int:
+    from engine.config import tiny_config
+
+    return tiny_config().max_seq_len
+
+
 def test_progress_writes_one_finished_line_off_a_terminal():
     stream = io.StringIO()
     with Progress("prefill", 3, stream) as bar:

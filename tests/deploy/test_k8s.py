@@ -580,3 +580,85 @@ def test_hadolint_finds_nothing() -> None:
     out = subprocess.run([hadolint, "--failure-threshold", "style", str(ROOT / "Dockerfile")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# ---- docs/deploy.md states what the render does -------------------------------------------------
+
+DEPLOY_DOC = ROOT / "docs" / "deploy.md"
+
+
+def mounted_secret_files(objs: list[dict]) -> set[tuple[str, str]]:
+    """(Secret name, key) of every credential file a Tidekv container reads from a Secret volume."""
+    out = set()
+    for _, workload, c in tidekv_containers(objs):
+        env = container_env(objs, c)
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
+        for key in ("TIDEKV_CLUSTER_SECRET_FILE", "TIDEKV_API_KEYS"):
+            path = env.get(key, "")
+            for m in c.get("volumeMounts", []):
+                secret = volumes.get(m["name"], {}).get("secret")
+                if path and secret and path.startswith(m["mountPath"].rstrip("/") + "/"):
+                    out.add((secret["secretName"], path.removeprefix(m["mountPath"].rstrip("/") + "/")))
+    return out
+
+
+def test_deploy_doc_creates_the_secrets_the_pods_mount() -> None:
+    doc = DEPLOY_DOC.read_text()
+    created = set(re.findall(r"kubectl -n tidekv create secret generic (\S+) --from-file=([\w.]+)=\S+$", doc, re.M))
+    assert mounted_secret_files(rendered("overlays/cpu-tiny")) == created == {
+        ("tidekv-cluster-secret", "secret"), ("tidekv-api-keys", "keys.json")}
+    generate = re.findall(r"^(.*tidekv generate --endpoint 127.0.0.1:50051.*)$", doc.split("### What is in")[1], re.M)
+    assert generate and all("TIDEKV_API_KEY=" in line or "--api-key" in line for line in generate), generate
+
+
+def test_deploy_docs_secret_commands_make_what_the_pods_read(tmp_path) -> None:
+    """The doc's own commands, in its order: `tidekv secret` and `tidekv apikey add` make the
+    files, and each `kubectl create secret` (client-side dry run: no cluster) makes a Secret
+    whose key holds them."""
+    import base64
+    import json
+    import shlex
+
+    from conductor.apikeys import parse_keys
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not on PATH")
+    doc = DEPLOY_DOC.read_text()
+    for line in re.findall(r"^(tidekv (?:secret|apikey add) .*?)(?:\s+#.*)?$", doc, re.M):
+        done = subprocess.run([sys.executable, "-m", "deploy.cli", *shlex.split(line)[1:]], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, (line, done.stderr)
+    for line in re.findall(r"^(kubectl -n tidekv create secret generic .*)$", doc, re.M):
+        done = subprocess.run([kubectl, *shlex.split(line)[1:], "--dry-run=client", "-o", "json"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, (line, done.stderr)
+        secret = json.loads(done.stdout)
+        [(key, value)] = secret["data"].items()
+        content = base64.b64decode(value).decode()
+        if key == "keys.json":
+            assert parse_keys(content, key), content
+        else:
+            assert re.fullmatch(r"[0-9a-f]{64}\s*", content), "the cluster secret file"
+
+
+def test_deploy_doc_names_the_address_workers_register_with() -> None:
+    doc = DEPLOY_DOC.read_text()
+    for role, _, c in tidekv_containers(objs := rendered("overlays/cpu-tiny")):
+        if role in ("prefill", "decode"):
+            conductor = container_env(objs, c)["TIDEKV_CONDUCTOR"]
+            assert f"TIDEKV_CONDUCTOR={conductor}" in doc and f"`{conductor}` (`TIDEKV_CONDUCTOR`)" in doc
+
+
+def test_deploy_doc_says_what_the_manifests_leave_off() -> None:
+    # The doc says the servers authenticate every internal call (tests/security) and that the
+    # manifests do not turn TLS on: a render that sets TLS must change that sentence.
+    doc = " ".join(DEPLOY_DOC.read_text().split())
+    assert "do not yet authenticate" not in doc and "The manifests do not turn TLS on" in doc
+    for target in TARGETS:
+        objs = rendered(target)
+        for role, _, c in tidekv_containers(objs):
+            env = container_env(objs, c)
+            assert not {k for k in env if k.startswith("TIDEKV_TLS_")}, (target, role)
+            # every member proves the cluster secret; the HTTP front signs nothing and holds none
+            assert bool(env.get("TIDEKV_CLUSTER_SECRET_FILE")) == (role != "http"), (target, role)

@@ -2,7 +2,8 @@
 
 One lifecycle, step by step: 1 Conductor + 2 prefill + 1 decode actors and the HTTP front
 come up and serve token-exact (gRPC and HTTP; the front holds no cluster secret and serves its
-/metrics); a prefill actor killed with ``ray.kill(no_restart=False)`` is restarted by Ray,
+/metrics); `tidekv status` (another driver) reads every actor, load and address from Ray;
+a prefill actor killed with ``ray.kill(no_restart=False)`` is restarted by Ray,
 registers again and serves, while the cluster keeps serving on the others; a killed Conductor
 comes back on its port and every worker registers with it again; the decode pool is
 scaled to 2 by the ``tidekv scale`` command (a second Ray driver) and back to 1 by the API; the
@@ -160,6 +161,42 @@ def check_started(cluster: RayCluster, reference) -> dict:
     return reports
 
 
+def check_status(ray_address: str, tmp_path: Path) -> None:
+    """`tidekv status` reads the cluster from Ray (a second driver): every actor, each worker's
+    load, every address (each /metrics answers); a run's ray.json leads `status` and `top` there."""
+    from deploy.ray_status import RayRun, write_ray_run
+    from observe.top import scrape
+    from tests.e2e.test_up import address_table
+
+    def tidekv(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True,
+                              timeout=120, cwd=ROOT)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    text = tidekv("status", "--ray", ray_address, "--namespace", NAMESPACE)
+    rows = address_table(text)
+    assert set(rows) == {("conductor", "-"), ("http", "-"), *((n.split("-")[0], n) for n in ALL_WORKERS)}, text
+    for (role, _), row in rows.items():
+        if role == "http":
+            assert "127.0.0.1:" in row["HTTP"] and any(n.startswith("tidekv:") for n, _, _ in scrape(row["METRICS"]))
+            continue
+        assert row["GRPC"].startswith("127.0.0.1:")
+        assert any(name.startswith("tidekv:") for name, _, _ in scrape(row["METRICS"])), row
+        assert row["TRANSFER"].startswith("tcp://127.0.0.1:") or role == "conductor"
+    workers = text.split("\nWORKER", 1)[1].split("\nROLE", 1)[0]
+    assert {line.split()[0] for line in workers.splitlines()[1:]} == ALL_WORKERS, text
+    as_json = json.loads(tidekv("status", "--ray", ray_address, "--namespace", NAMESPACE, "--json"))
+    assert {a["name"] for a in as_json["actors"]} == {"conductor", "http", *ALL_WORKERS}
+    assert {w["worker_id"] for w in as_json["workers"]} == ALL_WORKERS and as_json["kind"] == "ray"
+    run_dir = tmp_path / "up-run"  # what `tidekv up --ray` leaves for status and top
+    write_ray_run(run_dir, RayRun(ray_address, NAMESPACE, as_json["endpoint"], 2**22 + 1, time.time()))
+    again = tidekv("status", "--data-dir", str(run_dir))
+    assert address_table(again) == rows and "which has exited" in again
+    top = tidekv("top", "--data-dir", str(run_dir), "--iterations", "1")
+    assert f"tidekv top - {rows['conductor', '-']['METRICS']}" in top and "prefill 2  decode 1" in top
+
+
 def check_prefill_actor_restarts(cluster: RayCluster, reference, before, tmp_path) -> None:
     """A prefill actor dies: the other one serves meanwhile; Ray restarts it; it registers and serves."""
     ray.kill(ray.get_actor("prefill-0-1", namespace=NAMESPACE), no_restart=False)
@@ -215,6 +252,7 @@ def test_ray_cluster_lifecycle(ray_head, reference, tmp_path):
     try:
         cluster.start()
         reports = check_started(cluster, reference)
+        check_status(ray_head, tmp_path)
         check_prefill_actor_restarts(cluster, reference, reports["prefill-0-1"], tmp_path)
         check_conductor_actor_restarts(cluster, reference, reports["conductor"])
         check_decode_scales(cluster, reference, ray_head)

@@ -4,6 +4,7 @@ and an explicit clock, so no test waits out a backoff. The state file round-trip
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -167,9 +168,10 @@ def test_the_thread_notices_an_exit_by_itself(procs):
 
 
 def test_state_file_round_trips_and_renders(tmp_path):
-    state = ClusterState("127.0.0.1:1", "", str(tmp_path / "logs"), 42, time.time(),
+    state = ClusterState("127.0.0.1:1", "http://127.0.0.1:8/v1", str(tmp_path / "logs"), 42, time.time(),
                          (ProcessState("decode-0", "decode", 7, UP, 2, time.time() - 75, "killed by SIGKILL"),),
-                         (WorkerState("decode-0", "decode", "127.0.0.1:9", 0, 1, 10, 12, 33),), "")
+                         (WorkerState("decode-0", "decode", "127.0.0.1:9", 0, 1, 10, 12, 33, "tcp://127.0.0.1:5",
+                                      "127.0.0.1:6"),), "", "127.0.0.1:2")
     path = tmp_path / "state.json"
     write_state(path, state)
     write_state(path, state)  # replaces, leaving no temp file
@@ -180,6 +182,15 @@ def test_state_file_round_trips_and_renders(tmp_path):
     assert lines[1].split() == ["PROCESS", "ROLE", "PID", "STATUS", "RESTARTS", "UPTIME", "LAST", "EXIT"]
     assert lines[2].split() == ["decode-0", "decode", "7", "up", "2", "1m15s", "killed", "by", "SIGKILL"]
     assert lines[4].split() == ["decode-0", "decode", "0", "1", "10/12", "33", "127.0.0.1:9"]
+    assert [line.split() for line in lines[5:9]] == [
+        ["ROLE", "WORKER", "GRPC", "TRANSFER", "METRICS", "HTTP"],
+        ["conductor", "-", "127.0.0.1:1", "-", "127.0.0.1:2", "-"],
+        ["decode", "decode-0", "127.0.0.1:9", "tcp://127.0.0.1:5", "127.0.0.1:6", "-"],
+        ["http", "-", "-", "-", "127.0.0.1:8", "http://127.0.0.1:8/v1"]]
+    old = json.loads(path.read_text())  # a state file written before the addresses were kept
+    del old["conductor_metrics"], old["workers"][0]["transfer_address"], old["workers"][0]["metrics_address"]
+    path.write_text(json.dumps(old))
+    assert read_state(path).workers[0].rpc_address == "127.0.0.1:9"
     path.write_text("{}")
     with pytest.raises(ValueError, match="not a version-1 cluster state file"):
         read_state(path)

@@ -74,7 +74,7 @@ def test_prefix_pulled_from_other_worker(cluster_2x2, reference):
 
 
 @pytest.mark.parametrize("field,kwargs,msg", [
-    ("prompt", dict(prompt=[]), "prompt is empty"),
+    ("prompt", dict(prompt=[]), "token_ids: empty"),
     ("too long", dict(prompt=[1] * 8100), "the limit is"),
     ("max_tokens", dict(prompt=[1, 2], max_tokens=0), "sampling.max_tokens must be in"),
     ("max_tokens high", dict(prompt=[1, 2], max_tokens=100000), "sampling.max_tokens must be in"),

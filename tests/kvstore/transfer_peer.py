@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.transfer import FaultInjection, Kind, TransferConfig, TransferError, connect
+from kvstore.transfer.base import Address
+from kvstore.transfer.registry import get_backend
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,16 @@ def emit(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
+def become(uid: int, scheme: str) -> None:
+    """Drops to ``uid`` with everything the sender will run already imported: that user may
+    not be able to read the checkout or its .venv (a clone under a 0700 directory), so nothing
+    may be imported from them after the switch. The working directory moves to ``/`` for the
+    same reason."""
+    get_backend(scheme)  # the backend's module (shm, tcp) loads lazily, on the first connect
+    os.chdir("/")
+    os.setuid(uid)
+
+
 def run_send(args: argparse.Namespace) -> None:
     config = TransferConfig(
         deadline_s=args.deadline_s,
@@ -111,7 +123,7 @@ def run_send(args: argparse.Namespace) -> None:
     faults = FaultInjection(corrupt_seq=args.corrupt_seq, truncate_seq=args.truncate_seq)
     data = source(args.seed)
     if args.as_uid is not None:  # a peer of another user (the test runs as root)
-        os.setuid(args.as_uid)
+        become(args.as_uid, Address.parse(args.address).scheme)
     try:
         tx = connect(args.address, config, faults=faults)
     except TransferError as exc:

@@ -161,3 +161,41 @@ def test_unmaterialised_requests_are_refused():
                       tokens_per_block=16)
     with pytest.raises(ValueError, match="request t0 has no prompt tokens"):
         run_live_replay([r], "127.0.0.1:1", progress=False)
+
+
+def test_progress_never_shows_more_started_than_handed_over():
+    """A sender may start a request the moment it is submitted: the dispatcher counts it as
+    handed over first, so the line's 'waiting' (handed over, not yet started) is never -1."""
+    from concurrent.futures import Future
+
+    from replay.live import _dispatch
+    from replay.progress import Progress
+    from replay.records import RequestRecord
+
+    progress = Progress(3, None)
+    lines: list[str] = []
+
+    class InlinePool:  # runs each request on submit, as a free sender thread may
+        def submit(self, fn, r):
+            fut: Future = Future()
+            fut.set_result(fn(r))
+            return fut
+
+    class Sender:
+        stopping = threading.Event()
+
+        def now_s(self) -> float:
+            return 10.0  # every arrival is due
+
+        def send(self, r: ReplayRequest) -> RequestRecord:
+            progress.started()
+            lines.append(progress.line())
+            return RequestRecord(request_id=r.request_id, index=r.index, source="live", outcome="finished",
+                                 scheduled_s=r.arrival_s, arrival_s=r.arrival_s, prompt_len=r.prompt_len,
+                                 max_tokens=r.max_tokens)
+
+    requests = [ReplayRequest(f"r{i}", i, 0.1 * i, 3, 4, prompt_ids=(1, 2, 3)) for i in range(3)]
+    futures_: list = [None] * 3
+    _dispatch(Sender(), requests, InlinePool(), progress, futures_)
+    assert len(lines) == 3 and all("waiting 0," in line for line in lines), lines
+    assert "done 3/3" in progress.line() and "waiting 0," in progress.line()

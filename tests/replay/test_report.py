@@ -37,11 +37,12 @@ def test_write_and_load_report(tmp_path):
 def test_compare_with_itself_is_all_ones_and_ratios_are_b_over_a(tmp_path):
     a = summarize(hand_made())
     rows = compare_summaries(a, a)
-    assert rows and all(r.ratio == 1.0 for r in rows)
+    assert rows and all(r.ratio == 1.0 for r in rows if r.a) and all(r.ratio is None for r in rows if not r.a)
     b = summarize([*hand_made(), rec(9, arrival=5.0, ttft=2.0, gaps=(0.1,))])
     by = {r.metric: r for r in compare_summaries(a, b)}
     assert by["counts.total"].ratio == pytest.approx(7 / 6)
-    assert by["counts.rejected"].ratio == 1.0 and by["counts.cancelled"].ratio == 1.0  # 0 and 0
+    assert by["counts.rejected"].ratio == 1.0
+    assert (by["counts.cancelled"].a, by["counts.cancelled"].b, by["counts.cancelled"].ratio) == (0, 0, None)
     assert by["ttft_s.max"].b == pytest.approx(2.0)
 
 
@@ -51,13 +52,26 @@ def test_report_compare_cli(tmp_path, capsys):
     write_report(tmp_path / "b", records, summarize(records), plots=False)
     assert main(["report", "compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "c")]) == 0
     out = capsys.readouterr().out
-    assert "| ttft_s.p50 |" in out and "ratio (B/A)" in out
+    assert "| ttft_s.p50 |" in out and "ratio (B/A)" in out and "| metric | A: a (live) | B: b (live) |" in out
     rows = json.loads((tmp_path / "c" / "compare.json").read_text())["rows"]
-    assert rows and all(r["ratio"] == 1.0 for r in rows)
-    assert "| counts.total | 6 | 6 | 1 |" in (tmp_path / "c" / "compare.md").read_text()
+    assert rows and all(r["ratio"] == (1.0 if r["a"] else None) for r in rows)
+    table = (tmp_path / "c" / "compare.md").read_text()
+    assert "| counts.total | 6 | 6 | 1 |" in table and "| counts.cancelled | 0 | 0 | - |" in table
     for name in ("compare_ttft_cdf.png", "compare_tbt_cdf.png"):
         assert_png(tmp_path / "c" / name)
     assert main(["report", "compare", str(tmp_path / "a"), str(tmp_path / "nope")]) == 2
+
+
+def test_compare_plots_name_each_run(tmp_path, monkeypatch):
+    import replay.plots
+
+    seen = {}
+    monkeypatch.setattr(replay.plots, "plot_compare", lambda out, runs: seen.update(runs) or [])
+    records = hand_made()
+    write_report(tmp_path / "live-report", records, summarize(records), plots=False)
+    write_report(tmp_path / "sim-report", records, summarize([rec(0, source="simulated")]), plots=False)
+    write_comparison(tmp_path / "c", load_report(tmp_path / "live-report"), load_report(tmp_path / "sim-report"))
+    assert list(seen) == ["A: live-report (live)", "B: sim-report (simulated)"]
 
 
 def test_write_comparison_without_plots(tmp_path):

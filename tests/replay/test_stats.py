@@ -51,7 +51,7 @@ def hand_made():
         rec(0, arrival=0.0, ttft=0.2, gaps=(0.1, 0.1), prompt=100, cached=0, ttft_slo_s=0.5, tbt_slo_s=0.15),
         rec(1, arrival=1.0, ttft=0.4, gaps=(0.1, 0.3), prompt=200, cached=160, ttft_slo_s=0.5, tbt_slo_s=0.15),
         rec(2, arrival=2.0, ttft=0.9, gaps=(0.1,), prompt=100, cached=80, prefill="prefill-1", ttft_slo_s=0.5),
-        rec(3, arrival=3.0, ttft=0.3, gaps=(), prompt=100, cached=0, decode="decode-1"),  # no SLO: meets
+        rec(3, arrival=3.0, ttft=0.3, gaps=(), prompt=100, cached=0, decode="decode-1"),  # no SLO: not judged
         rec(4, "rejected", arrival=3.5, retry_after_s=1.0, ttft_slo_s=0.5),
         rec(5, "failed", arrival=4.0, error="boom"),
     ]
@@ -65,9 +65,10 @@ def test_summary_of_hand_made_records():
     assert s.ttft_s.count == 4 and s.ttft_s.p50 == pytest.approx(0.35) and s.ttft_s.max == pytest.approx(0.9)
     assert s.tbt_s.count == 3 and s.tbt_s.max == pytest.approx(0.3)  # per request: 0.1, 0.3, 0.1
     assert s.itl_s.count == 5 and s.itl_s.p50 == pytest.approx(0.1)
-    # met: #0 (0.2 <= 0.5, tbt 0.1 <= 0.15) and #3 (no SLO); #1 misses TBT, #2 misses TTFT
-    assert s.slo.num_met == 2 and s.slo.num_with_slo == 4
-    assert s.slo.attainment == pytest.approx(2 / 6) and s.slo.goodput_rps == pytest.approx(2 / 4.01)
+    # judged: #0, #1, #2, #4 (#3 and #5 carry no SLO). Met: #0 (0.2 <= 0.5, tbt 0.1 <= 0.15);
+    # #1 misses TBT, #2 misses TTFT, #4 was rejected
+    assert s.slo.num_met == 1 and s.slo.num_with_slo == 4
+    assert s.slo.attainment == pytest.approx(1 / 4) and s.slo.goodput_rps == pytest.approx(1 / 4.01)
     assert (s.cache.prompt_tokens, s.cache.cached_tokens, s.cache.ratio) == (500, 240, pytest.approx(0.48))
     assert s.workers["prefill"] == {"prefill-0": {"requests": 4, "prompt_tokens": 500, "cached_tokens": 160},
                                     "prefill-1": {"requests": 1, "prompt_tokens": 100, "cached_tokens": 80}}
@@ -84,7 +85,18 @@ def test_summary_source_and_empty():
     assert summarize([rec(0, source="simulated")]).source == "simulated"
     assert summarize([rec(0), rec(1, source="simulated")]).source == "mixed"
     s = summarize([])
-    assert s.counts.total == 0 and s.duration_s == 0.0 and s.slo.goodput_rps == 0.0 and s.cache.ratio == 0.0
+    assert s.counts.total == 0 and s.duration_s == 0.0 and s.cache.ratio == 0.0
+    assert s.slo.goodput_rps is None and s.slo.attainment is None
+
+
+def test_without_any_slo_there_is_no_attainment_or_goodput():
+    # 19 of 20 finished and none carries an SLO: nothing was judged, so there is no 0.95 to report
+    s = summarize([rec(i, arrival=float(i)) for i in range(19)] + [rec(19, "rejected", arrival=19.0)])
+    assert (s.slo.num_with_slo, s.slo.num_met, s.slo.attainment, s.slo.goodput_rps) == (0, 0, None, None)
+    assert Summary.from_dict(s.to_dict()) == s and "slo.attainment" not in s.flatten()
+    from replay.cli import summary_text
+
+    assert "no request has an SLO" in summary_text(s) and "0.950" not in summary_text(s)
 
 
 def test_concurrency_of_intervals():

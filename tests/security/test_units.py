@@ -190,11 +190,11 @@ def test_prompt_bytes_are_checked_before_tokenization():
     cfg, tok = engine.load_config("tiny"), engine.load_tokenizer("tiny")
     limits = Limits(max_prompt_tokens=8000, max_prompt_bytes=1000)
     req = pb.GenerateRequest(text="é" * 501, sampling=pb.SamplingParams(max_tokens=1))
-    with pytest.raises(ValueError, match=r"text: prompt is 1002 bytes, the limit is 1000 \(max_prompt_bytes\)"):
+    with pytest.raises(ValueError, match=r"text: 1002 bytes of UTF-8, the limit is 1000 \(max_prompt_bytes\)"):
         validate(req, cfg, tok, limits)
     assert validate(pb.GenerateRequest(text="é" * 500, sampling=pb.SamplingParams(max_tokens=1)), cfg, tok, limits)
     ids = pb.TokenIds(ids=[1] * 9000)
-    with pytest.raises(ValueError, match="token_ids: prompt has 9000 tokens"):
+    with pytest.raises(ValueError, match="token_ids: 9000 tokens, the limit is 8000"):
         validate(pb.GenerateRequest(token_ids=ids, sampling=pb.SamplingParams(max_tokens=1)), cfg, tok, limits)
 
 
