@@ -1,17 +1,26 @@
-"""How many routing decisions per second the Conductor core makes, and what forwarding a
-stream costs it per token. Prints one JSON object.
+"""How many routing decisions per second the Conductor core makes, embedded and as one of
+several replicas over a shared state; how fast the replicas' log carries changes; how a burst
+split over replicas spreads; and what forwarding a stream costs per token. Prints one JSON
+object.
 
 ``routing``: ``ConductorCore.route`` for a 1,000-block prompt on 8 prefill + 8 decode workers,
-through the live ``conductor.cluster.Cluster`` (its registry view reads the index's workers
-and loads on every decision, as the live Conductor does) over the memory index and over the
-Redis index (a real ``redis-server`` on 127.0.0.1). Every worker holds a prefix of the prompt
-of a different depth, and 16 requests are in flight in the pending overlay, so the snapshot
-has real work to merge. Two figures per case:
+through the live ``conductor.cluster.Cluster`` (its registry view reads the workers and loads
+on every decision, as the live Conductor does), ``embedded`` (one Conductor, its state in
+memory) and ``replica`` (a Conductor whose state follows the log in a real ``redis-server``
+on 127.0.0.1 that a second replica also follows and writes to, its decisions shared with it).
+Every worker holds a prefix of the prompt of a different depth, and 16 requests are in flight
+in the pending overlay, so the snapshot has real work to merge. Two figures per case:
 
 - ``keys_given``: snapshot plus policy plus index match, the block keys computed beforehand
-  (the issue's figure; goal: at least 2,000 decisions/s with the memory index), every policy;
+  (goal: at least 2,000 decisions/s per replica with mooncake, and at least 0.8x embedded);
 - ``with_hashing``: the request as the lifecycle hands it over (token ids), so the chained
   block keys of its 16,000 tokens are computed inside ``route``.
+
+``live`` (a real local cluster: 2 Conductor replicas, 3 prefill and 1 decode worker, the
+store started by the cluster): a burst of 24 requests with distinct prompts, sent all to one
+replica and then split over both, and the spread of their prefill workers (max / min requests
+per worker; goal: split within 1.5x of one replica's); then each replica's log delay (an
+entry's time from its writer to being applied there) p50 and p99 over that traffic.
 
 Each case runs ``--rounds`` rounds, the cases of one round in a rotating order so a burst of
 load from other processes lands on each alike; ``decisions_per_s`` is the median over rounds
@@ -23,7 +32,7 @@ stream sending one token per message (parse the worker's ``DecodeResponse``,
 ``GenerateResponse`` serialised), ``PendingWork.generated`` alone, and what the next decision
 pays for streams that moved: its overlay view after each of 256 decoding streams got a token.
 
-Usage: python -m bench.conductor [--quick] [--rounds N]
+Usage: python -m bench.conductor [--quick] [--rounds N] [--no-live]
 """
 
 from __future__ import annotations
@@ -36,11 +45,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
-from kvstore.index_memory import MemoryIndex
+import redis
 
 from bench.common import summary
+from clusterstate.log import EntryApplier, entry
+from clusterstate.records import StoreKeys
+from clusterstate.redis_log import RedisLog, RedisLogConfig
+from clusterstate.state import ClusterState
 from conductor.clock import ManualClock
 from conductor.cluster import Cluster
 from conductor.config import SLO, SLOTable
@@ -48,7 +63,7 @@ from conductor.core import ConductorCore, RequestFacts
 from conductor.routing import PolicyContext, RouteDecision, make_policy, policy_names
 from costmodel.builtin import tiny_cpu_estimate
 from kvstore.blocks import Tier, chain_keys
-from kvstore.index import BlockEvent, GlobalIndex
+from kvstore.index import BlockEvent
 from proto import internal_pb2 as ipb
 from runtime.auth import CONDUCTOR, Member, worker_principal
 
@@ -59,10 +74,27 @@ PROMPT = tuple((i * 31) % 250 + 1 for i in range(NUM_BLOCKS * BLOCK + 1))  # 1,0
 ROLES = {"prefill": ipb.WORKER_ROLE_PREFILL, "decode": ipb.WORKER_ROLE_DECODE}
 
 
-def make_cluster(index: GlobalIndex) -> Cluster:
-    """A live ``Cluster`` with 8 prefill and 8 decode workers registered (no heartbeats: each
-    keeps its initial load, 100,000 free pages)."""
-    cluster = Cluster(index, Member(b"bench-secret" * 4, CONDUCTOR))
+SECRET = b"bench-secret" * 6
+
+
+def embedded_cluster() -> Cluster:
+    return Cluster.in_memory(Member(SECRET, CONDUCTOR), ttl_s=1e9)
+
+
+def replica_cluster(url: str, namespace: str) -> tuple[Cluster, RedisLog]:
+    """A Conductor replica's ``Cluster``, its state following the log at ``url`` (started)."""
+    state, keys = ClusterState(ttl_s=1e9), StoreKeys.from_secret(SECRET)
+    log_ = RedisLog(lambda: redis.Redis.from_url(url, socket_timeout=2), EntryApplier(state, keys), keys,
+                    f"bench-{len(namespace)}-{time.monotonic_ns()}", RedisLogConfig(namespace=namespace))
+    log_.start()
+    while not log_.ready:
+        time.sleep(0.01)
+    return Cluster(state, log_, Member(SECRET, CONDUCTOR), keys), log_
+
+
+def register_workers(cluster: Cluster) -> Cluster:
+    """8 prefill and 8 decode workers registered (no heartbeats: each keeps its initial
+    load, 100,000 free pages)."""
     for role, wire_role in ROLES.items():
         for i in range(NUM_WORKERS):
             worker_id = f"{role}-{i}"
@@ -74,6 +106,10 @@ def make_cluster(index: GlobalIndex) -> Cluster:
     return cluster
 
 
+def make_cluster() -> Cluster:
+    return register_workers(embedded_cluster())
+
+
 def seed(cluster: Cluster, keys: tuple[bytes, ...]) -> None:
     """Prefill worker i holds the first (i + 1) / 8 of the prompt, a snapshot every 4 blocks."""
     for i in range(NUM_WORKERS):
@@ -83,8 +119,12 @@ def seed(cluster: Cluster, keys: tuple[bytes, ...]) -> None:
 
 
 def make_core(cluster: Cluster, policy: str, keys: tuple[bytes, ...]) -> ConductorCore:
+    share = None
+    if cluster.log.shared:  # a replica: every decision goes to the other replicas' overlays
+        origin = cluster.log.replica_id
+        share = lambda change: cluster.log.share(entry(origin, pending=change))  # noqa: E731
     core = ConductorCore(cluster, make_policy(policy, PolicyContext(costs=tiny_cpu_estimate())),
-                         SLOTable(SLO(1e9, 1e9)), ManualClock())
+                         SLOTable(SLO(1e9, 1e9)), ManualClock(), share=share)
     for i in range(NUM_IN_FLIGHT):  # requests in flight: the overlay has work to merge
         core.route(RequestFacts(f"inflight-{i}", i, (), 8, "", block_keys=keys, num_prompt_tokens=NUM_BLOCKS * BLOCK))
     return core
@@ -109,7 +149,7 @@ class Case:
             t0 = time.perf_counter()
             out = core.route(facts)
             samples.append(time.perf_counter() - t0)
-            core.pending.finish(facts.request_id, 0.0)  # as the lifecycle does at the end; not timed
+            core.finished(facts.request_id)  # as the lifecycle does at the end; not timed
             assert isinstance(out.outcome, RouteDecision), out.outcome
             self.seq += 1
         self.rates.append(len(samples) / sum(samples))
@@ -130,9 +170,8 @@ def run_cases(cases: dict[str, Case], rounds: int, seconds: float) -> dict[str, 
     return {name: case.result() for name, case in cases.items()}
 
 
-def routing(index: GlobalIndex, policies: list[str], keys: tuple[bytes, ...], rounds: int,
+def routing(cluster: Cluster, policies: list[str], keys: tuple[bytes, ...], rounds: int,
             seconds: float) -> dict[str, dict]:
-    cluster = make_cluster(index)
     seed(cluster, keys)
     cases = {f"{policy}/keys_given": Case(make_core(cluster, policy, keys), keys) for policy in policies}
     cases["mooncake/with_hashing"] = Case(make_core(cluster, "mooncake", keys), None)
@@ -143,20 +182,97 @@ def routing(index: GlobalIndex, policies: list[str], keys: tuple[bytes, ...], ro
     return out
 
 
-def redis_index(port: int, tmp: str) -> tuple[subprocess.Popen, GlobalIndex]:
-    from kvstore.index_redis import RedisIndex, RedisIndexConfig
-
+def redis_server(port: int, tmp: str) -> subprocess.Popen:
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", tmp],
                             stdout=subprocess.DEVNULL)
-    for _ in range(100):
+    client = redis.Redis(port=port, socket_timeout=1)
+    for _ in range(200):
         try:
-            index = RedisIndex(f"redis://127.0.0.1:{port}", config=RedisIndexConfig(ttl_s=1e6))
-            index.workers()
-            return proc, index
-        except Exception:  # noqa: BLE001 - not up yet
+            client.ping()
+            return proc
+        except redis.exceptions.RedisError:
             time.sleep(0.05)
     proc.kill()
     raise RuntimeError("redis-server did not start")
+
+
+def shared_routing(policies: list[str], keys: tuple[bytes, ...], rounds: int, seconds: float) -> dict:
+    """``routing`` on a replica of two over a real Redis (the other one follows too)."""
+    from deploy.local import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
+        proc = redis_server(port, tmp)
+        url = f"redis://127.0.0.1:{port}"
+        try:
+            cluster, log_ = replica_cluster(url, "bench")
+            other, other_log = replica_cluster(url, "bench")
+            shared_seen = Counter()
+            other_log.applier.on_overlay = lambda e: shared_seen.update([e.WhichOneof("change")])
+            try:
+                register_workers(cluster)
+                out = routing(cluster, policies, keys, rounds, seconds)
+                deadline = time.monotonic() + 30
+                while other_log.seq < log_.seq and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                out["other_replica_same_state"] = other.state.digest() == cluster.state.digest()
+                out["other_replica_received"] = dict(shared_seen)  # the decisions shared with it
+                return out
+            finally:
+                log_.close()
+                other_log.close()
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def live(num_burst: int = 24) -> dict:
+    """The burst's spread on 2 replicas against 1, and each replica's log delays (see the docstring)."""
+    from conductor.client import Client
+    from deploy.local import ClusterConfig, LocalCluster
+    from proto import internal_pb2_grpc as igrpc
+
+    config = ClusterConfig(num_prefill=3, num_decode=1, num_conductors=2, policy="mooncake",
+                           prefill_args=("--block-size", "16", "--num-pages", "512"),
+                           decode_args=("--block-size", "16", "--num-pages", "2048"))
+    out: dict = {}
+    with LocalCluster(config) as cluster:
+        clients = [Client(a) for a in cluster.conductor_addresses]
+
+        def burst(split: bool, salt: int) -> dict:
+            prompts = [[(i * 131 + (salt + j) * 7919) % 250 + 1 for i in range(192)] for j in range(num_burst)]
+            with ThreadPoolExecutor(num_burst) as pool:
+                outs = list(pool.map(lambda j: clients[j % 2 if split else 0].generate(
+                    Client.request(prompts[j], 2)), range(num_burst)))
+            counts = Counter(o.prefill_worker for o in outs)
+            per_worker = [counts.get(f"prefill-{i}", 0) for i in range(config.num_prefill)]
+            return {"per_prefill_worker": per_worker,
+                    "spread": max(per_worker) / min(per_worker) if min(per_worker) else float("inf"),
+                    "all_finished": all(o.finish_reason == "length" for o in outs)}
+
+        rounds = []
+        for r in range(3):  # alternating, a fresh set of prompts each time
+            one, two = burst(False, 1000 * r), burst(True, 1000 * r + 500)
+            rounds.append({"one_replica": one, "two_replicas": two})
+            time.sleep(1.0)  # let the workers' queues drain and heartbeats settle
+        out["burst_rounds"] = rounds
+        spreads = [(x["one_replica"]["spread"], x["two_replicas"]["spread"]) for x in rounds]
+        out["burst_median_spread"] = {"one_replica": statistics.median(a for a, _ in spreads),
+                                      "two_replicas": statistics.median(b for _, b in spreads)}
+        out["burst_goal"] = "two_replicas spread within 1.5x of one_replica's"
+        delays = {}
+        for address in cluster.conductor_addresses:
+            ch = cluster.channel(address)
+            try:
+                st = igrpc.RegistryStub(ch).State(ipb.StateRequest(), timeout=5)
+                delays[address] = {"p50_ms": st.delay_p50_s * 1e3, "p99_ms": st.delay_p99_s * 1e3,
+                                   "entries": st.num_delays, "seq": st.seq}
+            finally:
+                ch.close()
+        out["log_delay"] = delays
+        for c in clients:
+            c.close()
+    return out
 
 
 def _per_call_us(fn: Callable[[int], object], num_calls: int, repeats: int) -> dict:
@@ -180,7 +296,7 @@ def stream(num_tokens: int, repeats: int) -> dict:
     from proto import inference_pb2 as pb
 
     keys = tuple(chain_keys(PROMPT, BLOCK, FINGERPRINT))
-    cluster = make_cluster(MemoryIndex(ttl_s=1e9))
+    cluster = make_cluster()
     core = make_core(cluster, "mooncake", keys)
     pending, clock = core.pending, core.clock
     for i in range(NUM_IN_FLIGHT):
@@ -226,32 +342,31 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="short rounds (0.2 s instead of 1 s)")
     p.add_argument("--rounds", type=int, default=3, help="rounds per case (default 3)")
+    p.add_argument("--no-live", action="store_true", help="skip the live cluster's burst and log delays")
     args = p.parse_args()
     seconds = 0.2 if args.quick else 1.0
     keys = tuple(chain_keys(PROMPT, BLOCK, FINGERPRINT))
     out: dict = {"prompt_blocks": NUM_BLOCKS, "workers": f"{NUM_WORKERS} prefill + {NUM_WORKERS} decode",
                  "in_flight": NUM_IN_FLIGHT, "rounds": args.rounds, "round_s": seconds,
-                 "goal_memory_decisions_per_s": 2000}
-    out["memory"] = routing(MemoryIndex(ttl_s=1e9), policy_names(), keys, args.rounds, seconds)
-    for policy, kinds in out["memory"].items():
-        print(f"[conductor] memory {policy}: "
+                 "goal_replica_mooncake_decisions_per_s": 2000, "goal_replica_over_embedded": 0.8}
+    out["embedded"] = routing(make_cluster(), policy_names(), keys, args.rounds, seconds)
+    for policy, kinds in out["embedded"].items():
+        print(f"[conductor] embedded {policy}: "
               + ", ".join(f"{k} {v['decisions_per_s']:.0f}/s" for k, v in kinds.items()), file=sys.stderr)
     if shutil.which("redis-server"):
-        from deploy.local import free_port
-
-        with tempfile.TemporaryDirectory() as tmp:
-            proc, index = redis_index(free_port(), tmp)
-            try:
-                out["redis"] = routing(index, ["mooncake", "cache_aware"], keys, args.rounds, seconds)
-            finally:
-                index.close()
-                proc.terminate()
-                proc.wait(timeout=10)
-        for policy, kinds in out["redis"].items():
-            print(f"[conductor] redis {policy}: "
+        out["replica"] = shared_routing(["mooncake", "cache_aware"], keys, args.rounds, seconds)
+        for policy in ("mooncake", "cache_aware"):
+            kinds = out["replica"][policy]
+            print(f"[conductor] replica {policy}: "
                   + ", ".join(f"{k} {v['decisions_per_s']:.0f}/s" for k, v in kinds.items()), file=sys.stderr)
+        out["replica_over_embedded"] = {
+            policy: {k: out["replica"][policy][k]["decisions_per_s"] / out["embedded"][policy][k]["decisions_per_s"]
+                     for k in out["replica"][policy]} for policy in ("mooncake", "cache_aware")}
+        if not args.no_live:
+            out["live"] = live()
+            print(f"[conductor] burst spread: {out['live']['burst_median_spread']}", file=sys.stderr)
     else:
-        out["redis"] = {"available": False, "reason": "redis-server not installed"}
+        out["replica"] = {"available": False, "reason": "redis-server not installed"}
     out["stream"] = stream(2000 if args.quick else 10_000, args.rounds)
     print(f"[conductor] stream: {out['stream']['forward_per_token']['median_us']:.1f} us/token", file=sys.stderr)
     print(json.dumps(out, indent=2))

@@ -41,6 +41,7 @@ class StateLog(Protocol):
     replica_id: str
     shared: bool  # other replicas read this log (through a store)
     seq: int  # the sequence number of the last entry applied here
+    delays_s: Sequence[float]  # recent entries' time from their writer to being applied here
 
     def start(self) -> None:
         """Catch up with the log (a shared log: from its snapshot), then follow it."""
@@ -127,6 +128,7 @@ class LocalLog:
     publish order (one lock); nothing is shared, since no other replica reads it."""
 
     shared = False
+    delays_s: tuple[float, ...] = ()  # applied as published: no delay
 
     def __init__(self, applier: EntryApplier, replica_id: str = "local"):
         self.applier, self.replica_id = applier, replica_id

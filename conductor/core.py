@@ -83,12 +83,13 @@ class RequestFacts:
 
 class ConductorCore:
     """``share(entry)``: hands each transition on to the other Conductor replicas (none: one
-    Conductor)."""
+    Conductor); ``block_key_secret``: the cluster's key of the block hashes."""
 
     def __init__(self, cluster: ClusterView, policy: Policy, slos: SLOTable, clock: Clock,
                  pending: PendingWork | None = None, heat: PrefixHeat | None = None,
-                 share: Callable[[spb.PendingEntry], None] | None = None):
+                 share: Callable[[spb.PendingEntry], None] | None = None, block_key_secret: bytes = b""):
         self.cluster, self.policy, self.slos, self.clock = cluster, policy, slos, clock
+        self.block_key_secret = block_key_secret  # keys the block hashes (kvstore.blocks)
         self.pending = pending or PendingWork()
         self.heat = heat or PrefixHeat()
         self.speed = WorkerSpeed()
@@ -108,7 +109,7 @@ class ConductorCore:
                           None, (), None)
         keys = facts.block_keys
         if keys is None:
-            keys = tuple(chain_keys(facts.prompt_ids, bs, fp, facts.tenant))
+            keys = tuple(chain_keys(facts.prompt_ids, bs, fp, facts.tenant, self.block_key_secret))
         slo = self.slos.resolve(facts.tenant, facts.ttft_slo_s, facts.tbt_slo_s)
         request = RouteRequest(facts.request_id, facts.seq, facts.prompt_len, len(keys), facts.max_tokens, bs,
                                slo.ttft_s, slo.tbt_s)

@@ -239,9 +239,12 @@ class RegistryService(igrpc.RegistryServicer):
     def State(self, request: ipb.StateRequest, context: grpc.ServicerContext) -> ipb.StateResponse:
         state, log_ = self.cluster.state, self.cluster.log
         blocks, num_blocks = state.blocks_digest()
+        delays = sorted(log_.delays_s)
+        quantile = (lambda q: delays[min(len(delays) - 1, int(q * len(delays)))]) if delays else (lambda q: 0.0)
         return ipb.StateResponse(replica_id=log_.replica_id, seq=log_.seq, digest=state.digest(),
                                  blocks_digest=blocks, num_blocks=num_blocks, lag_s=min(log_.lag_s, 1e9),
-                                 shared=log_.shared)
+                                 shared=log_.shared, delay_p50_s=quantile(0.5), delay_p99_s=quantile(0.99),
+                                 num_delays=len(delays))
 
 
 def build_core(config: ConductorConfig, cluster: Cluster, costs: CostModels, clock: Clock,
@@ -252,7 +255,8 @@ def build_core(config: ConductorConfig, cluster: Cluster, costs: CostModels, clo
     if shared is not None and shared.shared:
         log_, origin = shared.log, shared.log.replica_id
         share = lambda change: log_.share(entry(origin, pending=change))  # noqa: E731
-    core = ConductorCore(cluster, policy, config.slos, clock, share=share)
+    core = ConductorCore(cluster, policy, config.slos, clock, share=share,
+                         block_key_secret=derive(cluster.member.secret, "block-keys"))
     if shared is not None:
         shared.applier.on_overlay = core.apply_overlay
     return core

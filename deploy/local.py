@@ -219,6 +219,15 @@ class LocalCluster:
         """The first Conductor's address (any replica serves the same cluster)."""
         return f"127.0.0.1:{self.port}"
 
+    def block_keys(self, token_ids, block_size: int, model_fingerprint: str, tenant: str = "") -> list[bytes]:
+        """The keys this cluster's Conductors give the blocks of ``token_ids`` (keyed with a key
+        derived from its secret: kvstore.blocks)."""
+        from kvstore.blocks import chain_keys
+        from runtime.auth import derive, load_secret
+
+        key = derive(load_secret(str(self.secret_file)), "block-keys")
+        return chain_keys(token_ids, block_size, model_fingerprint, tenant, key)
+
     @property
     def conductor_addresses(self) -> list[str]:
         return [f"127.0.0.1:{p}" for p in self.ports]

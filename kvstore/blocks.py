@@ -3,7 +3,12 @@
 A block is ``block_size`` consecutive prompt tokens. Its key is a 16-byte BLAKE2b digest of
 ``(parent key, the block's token ids, model fingerprint, cache salt)``, so the key of block i
 names the whole prefix [0, (i+1)*block_size). The hash is stable across processes and
-machines (never Python's ``hash()``); different salts or models never share keys.
+machines (never Python's ``hash()``); different salts or models never share keys. A live
+cluster keys the hash (BLAKE2b's ``key``) with a key derived from its cluster secret
+(``runtime.auth.derive(secret, "block-keys")``): the keys stay the same in every process of the
+cluster, but one seen in the index or the store tells nobody without the secret which prompt
+it names (guessing a prompt and hashing it gives another key). Without a key (tests, the
+simulator, a calibration's own store) the hash is unkeyed.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ def _middle(model_fingerprint: str, cache_salt: str, num_tokens: int) -> bytes:
 
 
 def block_key(
-    parent: BlockKey, token_ids: Sequence[int], model_fingerprint: str, cache_salt: str = ""
+    parent: BlockKey, token_ids: Sequence[int], model_fingerprint: str, cache_salt: str = "", key: bytes = b""
 ) -> BlockKey:
     """Key of one block given its parent's key (``ROOT_KEY`` for the first block)::
 
@@ -48,14 +53,14 @@ def block_key(
     """
     if len(parent) != KEY_BYTES:
         raise ValueError(f"parent key must be {KEY_BYTES} bytes, got {len(parent)}")
-    h = hashlib.blake2b(digest_size=KEY_BYTES, person=_PERSON)
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=_PERSON, key=key)
     h.update(parent + _middle(model_fingerprint, cache_salt, len(token_ids)))
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return h.digest()
 
 
 def chain_keys(
-    token_ids: Sequence[int], block_size: int, model_fingerprint: str, cache_salt: str = ""
+    token_ids: Sequence[int], block_size: int, model_fingerprint: str, cache_salt: str = "", key: bytes = b""
 ) -> list[BlockKey]:
     """Keys of every *full* block of ``token_ids``; a trailing partial block has no key.
     The same keys as ``block_key`` block by block, with the tokens packed once and each block
@@ -66,7 +71,7 @@ def chain_keys(
     num_tokens = len(token_ids) // block_size * block_size
     packed = struct.pack(f"<{num_tokens}q", *token_ids[:num_tokens])
     middle, step = _middle(model_fingerprint, cache_salt, block_size), 8 * block_size
-    base = hashlib.blake2b(digest_size=KEY_BYTES, person=_PERSON)
+    base = hashlib.blake2b(digest_size=KEY_BYTES, person=_PERSON, key=key)
     keys: list[BlockKey] = []
     parent = ROOT_KEY
     for start in range(0, len(packed), step):

@@ -593,7 +593,7 @@ def mounted_secret_files(objs: list[dict]) -> set[tuple[str, str]]:
     for _, workload, c in tidekv_containers(objs):
         env = container_env(objs, c)
         volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
-        for key in ("TIDEKV_CLUSTER_SECRET_FILE", "TIDEKV_API_KEYS"):
+        for key in ("TIDEKV_CLUSTER_SECRET_FILE", "TIDEKV_API_KEYS", "TIDEKV_INDEX_PASSWORD_FILE"):
             path = env.get(key, "")
             for m in c.get("volumeMounts", []):
                 secret = volumes.get(m["name"], {}).get("secret")
@@ -606,7 +606,7 @@ def test_deploy_doc_creates_the_secrets_the_pods_mount() -> None:
     doc = DEPLOY_DOC.read_text()
     created = set(re.findall(r"kubectl -n tidekv create secret generic (\S+) --from-file=([\w.]+)=\S+$", doc, re.M))
     assert mounted_secret_files(rendered("overlays/cpu-tiny")) == created == {
-        ("tidekv-cluster-secret", "secret"), ("tidekv-api-keys", "keys.json")}
+        ("tidekv-cluster-secret", "secret"), ("tidekv-api-keys", "keys.json"), ("tidekv-store", "password")}
     generate = re.findall(r"^(.*tidekv generate --endpoint 127.0.0.1:50051.*)$", doc.split("### What is in")[1], re.M)
     assert generate and all("TIDEKV_API_KEY=" in line or "--api-key" in line for line in generate), generate
 

@@ -18,7 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 import engine
 from conductor.client import Client
 from deploy.local import ClusterConfig, LocalCluster
-from kvstore.blocks import chain_keys
 from tests.e2e.conftest import BLOCK, DECODE_ARGS, WORKER_ARGS
 from tests.e2e.helpers import prompt, run_all, wait_all_freed
 
@@ -81,7 +80,7 @@ def test_corrupt_ssd_block_is_dropped_and_recomputed_token_exact(reference):
         first = prompt(160, 6000)  # 10 blocks, snapshots after blocks 1, 3, 5, 7, 9
         second = first[:128] + prompt(20, 6001)  # shares blocks 0..7
         run_all(c.endpoint, [Client.request(first, max_tokens=2)])
-        keys = chain_keys(first, BLOCK, reference.fingerprint)
+        keys = c.block_keys(first, BLOCK, reference.fingerprint)
         ssd = c.data_dir / "prefill-0" / "ssd"
         victim = ssd / f"{keys[2].hex()}.blk"  # a plain block, demoted from DRAM
         assert victim.exists(), f"block 2 is not on SSD: {sorted(p.name for p in ssd.iterdir())}"

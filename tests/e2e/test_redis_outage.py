@@ -21,7 +21,6 @@ from clusterstate.redis_log import RedisLog
 from clusterstate.state import ClusterState
 from conductor.client import Client, Completion
 from deploy.local import ClusterConfig, LocalCluster
-from kvstore.blocks import chain_keys
 from runtime.auth import load_secret
 from tests.e2e.conftest import BLOCK, DECODE_ARGS, WORKER_ARGS
 from tests.e2e.helpers import prompt, wait_all_freed
@@ -167,8 +166,9 @@ def test_redis_killed_and_restarted_empty_under_load(redis_server_factory, refer
         view.start()
         try:
             wait_for(lambda: view.ready and len(state.workers()) == 3, "a new replica to find the cluster")
-            best = max(state.match(chain_keys(base, BLOCK, fingerprint)).matches, key=lambda m: m.num_blocks_usable)
-            during_keys, during_out = chain_keys(extra[1][0], BLOCK, fingerprint), extra[1][1]
+            base_match = state.match(cluster.block_keys(base, BLOCK, fingerprint))
+            best = max(base_match.matches, key=lambda m: m.num_blocks_usable)
+            during_keys, during_out = cluster.block_keys(extra[1][0], BLOCK, fingerprint), extra[1][1]
             during_match = state.match(during_keys).get(during_out.prefill_worker)
         finally:
             view.close()
