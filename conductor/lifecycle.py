@@ -123,7 +123,8 @@ class RequestLife:
         self.core, self.dispatcher, self.tokenizer, self.req = core, dispatcher, tokenizer, req
         self.clock = core.clock
         self.request_id = request_id  # the cluster's id for it (conductor.requests)
-        self.name = f"{req.tenant or '-'}/{client_request_id or request_id}"  # what logs call it
+        client = client_request_id or request_id
+        self.name = f"{req.tenant}/{client}" if req.tenant else client  # what logs call it: the tenant's id
         self.facts = RequestFacts(request_id, seq, req.prompt_ids, req.params.max_new_tokens, req.tenant,
                                   req.ttft_slo_s, req.tbt_slo_s, live_key=live_key)
         self.max_attempts, self.max_migrations, self.prefill_timeout_s = max_attempts, max_migrations, prefill_timeout_s

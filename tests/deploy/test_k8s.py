@@ -174,9 +174,11 @@ def check_containers(objs: list[dict]) -> list[str]:
             problems.append(f"{where}: enableServiceLinks must be false (service env vars collide with TIDEKV_*)")
         if any(spec.get(k) for k in ("hostIPC", "hostPID", "hostNetwork")):
             problems.append(f"{where}: shares a host namespace")
+        inits = {c["name"] for c in spec.get("initContainers", [])}
         for c in containers(template):
             at = f"{where}/{c['name']}"
-            problems += [f"{at}: no {k}" for k in ("startupProbe", "readinessProbe", "livenessProbe") if k not in c]
+            if c["name"] not in inits:  # an init container runs to its end: Kubernetes takes no probes for it
+                problems += [f"{at}: no {k}" for k in ("startupProbe", "readinessProbe", "livenessProbe") if k not in c]
             res = c.get("resources", {})
             problems += [f"{at}: no {part}.{r}" for part in ("requests", "limits") for r in ("cpu", "memory")
                          if r not in res.get(part, {})]
