@@ -137,6 +137,32 @@ def test_a_hung_prefill_worker_is_cancelled_and_its_requests_retried_elsewhere(r
         assert all(s.num_live_requests == 0 and s.num_free_pages == s.num_pages_total for s in stats.values())
 
 
+def test_a_stopped_prefill_worker_is_given_up_when_its_heartbeats_stop(reference):
+    """The same stopped worker under the default 60 s prefill timeout: its heartbeats stop, it
+    leaves the registry within its lease (1.5 s here), and the calls in flight to it are given
+    up then (STALLED) and retried on the other worker, token-exact, long before the timeout:
+    each request's own deadline (30 s) would end it otherwise."""
+    conductor_args = ("--worker-ttl-s", "1.5", "--heartbeat-interval-s", "0.25")
+    with make_cluster(2, 1, policy="round_robin", conductor_args=conductor_args) as cluster:
+        stopped = cluster.procs["prefill-0"]
+        stopped.send_signal(signal.SIGSTOP)
+        try:
+            prompts = [prompt(300, 1500 + i) for i in range(4)]
+            reqs = [Client.request(p, max_tokens=8) for p in prompts]
+            for r in reqs:
+                r.deadline_s = 30.0
+            out = run_all(cluster.endpoint, reqs)
+            retries = _conductor_counter(cluster, "prefill_retries")
+            log = (cluster.log_dir / "conductor.log").read_text()
+        finally:
+            stopped.send_signal(signal.SIGCONT)
+        for p, c in zip(prompts, out, strict=True):
+            assert (c.finish_reason, c.num_terminal, c.prefill_worker) == ("length", 1, "prefill-1"), c
+            assert c.token_ids == engine.generate(reference, p, 8)
+        assert retries.get("stalled", 0) >= 1, retries
+        assert "(stopped heartbeating)" in log and "given up: the worker stopped heartbeating" in log
+
+
 @pytest.fixture(scope="module")
 def long_cluster():
     with make_cluster(1, 1, conductor_args=("--max-new-tokens", "4000")) as c:

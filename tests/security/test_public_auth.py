@@ -24,6 +24,7 @@ from tests.e2e.conftest import DECODE_ARGS, WORKER_ARGS
 from tests.e2e.helpers import prompt
 
 UNAUTH, DENIED = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED
+LONG_STREAM = 600  # tokens: a stream that is still live while the checks run (seconds on this model)
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +163,73 @@ def test_oversized_and_malformed_requests_are_refused_before_work(keyed, referen
     out = generate(cluster, keys["acme"], ids)
     assert out.finish_reason == "length" and out.token_ids == engine.generate(reference, ids, 4)
     client.close()
+
+
+def test_request_ids_are_scoped_to_their_tenant(keyed, reference):
+    """Finding 2: while one tenant streams ``req-1``, another's ``req-1`` (on the same decode
+    worker: there is one) finishes token-exact; a second live ``req-1`` of the same tenant is
+    ALREADY_EXISTS, naming only that id; over HTTP the same with ``X-Request-Id`` (409)."""
+    import threading
+
+    cluster, _, keys = keyed
+    long_ids, short_ids = prompt(40, 7100), prompt(40, 7101)
+    streaming, done = threading.Event(), threading.Event()
+    out_long: list = []
+
+    def long_stream() -> None:
+        client = Client(cluster.endpoint, api_key=keys["globex"])
+        try:
+            req = Client.request(long_ids, max_tokens=LONG_STREAM, request_id="req-1")
+            tokens = []
+            for msg in client.stub.Generate(req, timeout=120):
+                tokens += msg.token_ids
+                streaming.set()
+                if msg.finish_reason:
+                    out_long.append(tokens)
+        finally:
+            client.close()
+            done.set()
+
+    thread = threading.Thread(target=long_stream)
+    thread.start()
+    assert streaming.wait(60)
+    client = Client(cluster.endpoint, api_key=keys["acme"])
+    try:
+        other = client.generate(Client.request(short_ids, max_tokens=4, request_id="req-1"))
+        assert other.finish_reason == "length" and other.token_ids == engine.generate(reference, short_ids, 4)
+        assert other.request_id == "req-1"
+        g = Client(cluster.endpoint, api_key=keys["globex"])  # the same tenant again, while its req-1 streams
+        try:
+            with pytest.raises(grpc.RpcError) as e:
+                g.generate(Client.request(short_ids, max_tokens=4, request_id="req-1"))
+        finally:
+            g.close()
+        assert not done.is_set(), "the long stream ended before the checks: raise LONG_STREAM"
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "'req-1'" in e.value.details() and "acme" not in e.value.details()
+    finally:
+        client.close()
+    thread.join(120)
+    assert out_long and out_long[0] == engine.generate(reference, long_ids, LONG_STREAM)
+
+    def post(key: str, max_tokens: int) -> tuple[int, dict]:
+        body = json.dumps({"model": "tiny", "prompt": "order", "max_tokens": max_tokens}).encode()
+        req = urllib.request.Request(f"{cluster.http_url}/completions", body, {
+            "Content-Type": "application/json", "Authorization": "Bearer " + key, "X-Request-Id": "order-1"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    results: dict[str, tuple[int, dict]] = {}
+    slow = threading.Thread(target=lambda: results.update(slow=post(keys["globex"], LONG_STREAM)))
+    slow.start()
+    time.sleep(0.5)
+    results["other_tenant"] = post(keys["acme"], 3)
+    results["same_tenant"] = post(keys["globex"], 3)
+    assert slow.is_alive(), "the slow request ended before the checks: raise LONG_STREAM"
+    slow.join(120)
+    assert results["other_tenant"][0] == 200 and results["slow"][0] == 200, results
+    assert results["same_tenant"][0] == 409, results["same_tenant"]
+    assert results["same_tenant"][1]["error"]["code"] == "request_id_in_use"
