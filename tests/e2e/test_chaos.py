@@ -45,8 +45,8 @@ MAX_PROMPT_TOKENS = 1024  # bounds the reference's work after the run
 DECODE_KILL_AT, REDIS_RESTART_AT, PREFILL_KILL_AT = 6, 14, 22
 MIN_TOKENS_LEFT = 16  # the decode kill fires on a stream with at least this many tokens to come
 DEADLINE_S = 120.0  # a guard against hangs, never an assertion on how long anything took
-OUTAGE_LOG = "answering from this Conductor's local index"
-RESYNC_LOG = "from the local view"
+OUTAGE_LOG = "the store is unreachable"
+RESYNC_LOG = "the store lost its data"
 
 
 @dataclass
