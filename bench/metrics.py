@@ -6,7 +6,7 @@
 - Conductor requests/s: the real ``RequestLife`` and ``ConductorCore`` (mooncake policy, a
   ``Cluster`` over its in-memory state with one prefill and one decode worker) over a dispatcher
   that answers at once, so the figure is the Conductor's own cost per request. On:
-  ``ConductorMetrics``; off: ``RequestRecords()`` without metrics.
+  ``ConductorMetrics``; off: ``ConductorMetrics.disabled()``.
 On and off alternate in rounds so drift affects both alike.
 
     python -m bench.metrics [--rounds 3] [--requests 400] [--decode-tokens 64] [--batch 8]
@@ -33,7 +33,6 @@ from conductor.core import ConductorCore
 from conductor.dispatch import DecodeChunk, PrefillCall, PrefillResult
 from conductor.lifecycle import ITL_BATCH_TOKENS, RequestLife
 from conductor.metrics import ConductorMetrics
-from conductor.records import RequestRecords
 from conductor.routing import PolicyContext, make_policy
 from conductor.validation import ValidRequest
 from costmodel.builtin import tiny_cpu_estimate
@@ -132,14 +131,14 @@ def conductor_core(config: ConductorConfig) -> ConductorCore:
     return ConductorCore(cluster, policy, config.slos, SystemClock())
 
 
-def conductor_rps(core: ConductorCore, records: RequestRecords, num_requests: int, num_tokens: int) -> float:
+def conductor_rps(core: ConductorCore, metrics: ConductorMetrics, num_requests: int, num_tokens: int) -> float:
     tokenizer = engine.load_tokenizer("tiny")
     dispatcher = _InstantDispatcher(num_tokens)
     t0 = time.perf_counter()
     for i in range(num_requests):
         prompt = tuple((i * 7 + t) % 250 + 1 for t in range(64))
         req = ValidRequest(prompt, SamplingParams(max_new_tokens=num_tokens), 60.0, f"tenant-{i % 5}")
-        life = RequestLife(core, dispatcher, tokenizer, req, uuid.uuid4().hex, i, 2, records)
+        life = RequestLife(core, dispatcher, tokenizer, req, uuid.uuid4().hex, i, 2, metrics)
         for _ in life.run():
             pass
     return num_requests / (time.perf_counter() - t0)
@@ -183,13 +182,13 @@ def main(argv: list[str] | None = None) -> None:
     rps: dict[str, list[float]] = {"on": [], "off": []}
     try:
         decode_intervals(model, None, args.batch, 8)  # warm-up
-        conductor_rps(core, RequestRecords(), 50, args.decode_tokens)
+        conductor_rps(core, ConductorMetrics.disabled(), 50, args.decode_tokens)
         for _ in range(args.rounds):
             for mode in ("on", "off"):
                 metrics = DecodeMetrics(Identity("decode-bench", "decode", "tiny"), registry) if mode == "on" else None
                 itl[mode] += decode_intervals(model, metrics, args.batch, args.decode_tokens)
-                records = RequestRecords(metrics=on_metrics) if mode == "on" else RequestRecords()
-                rps[mode].append(conductor_rps(core, records, args.requests, args.decode_tokens))
+                metrics = on_metrics if mode == "on" else ConductorMetrics.disabled()
+                rps[mode].append(conductor_rps(core, metrics, args.requests, args.decode_tokens))
     finally:
         scraper.stop()
         server.stop()

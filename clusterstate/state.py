@@ -137,11 +137,6 @@ class ClusterState:
             entry = self._registry.entry(worker_id)
             return entry.info if entry is not None else None
 
-    def try_hold(self, worker_id: str, key: BlockKey) -> BlockHold | None:
-        """The holding of ``key`` by ``worker_id``, or None (also when the worker is not alive)."""
-        with self._lock:
-            return self._blocks.try_hold(worker_id, key) if self._registry.is_alive(worker_id) else None
-
     def stored_events(self) -> list[BlockEvent]:
         """One ``STORED`` event per block of every alive worker, to replay into another state."""
         with self._lock:

@@ -28,7 +28,7 @@ Cancellation (client gone) cancels the in-flight worker calls and releases the r
 Every path leaves the pending overlay (``finally``); a request placed again leaves it first
 and re-enters with its new decision. Time comes from the core's injected clock.
 
-Metrics (``records.metrics``, ``conductor.metrics``): each routing decision, prefill retry and
+Metrics (``conductor.metrics``, the one place outcomes are counted): each routing decision, prefill retry and
 migration here; through the request's ``ClientStream`` (``conductor.client_stream``, which
 also makes the messages) the first token (TTFT, queue time, prompt and cached tokens), every
 later token (inter-token latency) and exactly one outcome per request that is not
@@ -61,7 +61,6 @@ from conductor.dispatch import (
     should_retry,
 )
 from conductor.metrics import ConductorMetrics
-from conductor.records import RequestRecords
 from conductor.routing import Rejection, RejectKind, RouteDecision
 from conductor.validation import ValidRequest
 from engine.sampler import SamplingParams
@@ -117,7 +116,7 @@ class RequestLife:
     gRPC time remaining (None: none), when sooner than the request's ``deadline_s``."""
 
     def __init__(self, core: ConductorCore, dispatcher: Dispatcher, tokenizer: Tokenizer, req: ValidRequest,
-                 request_id: str, seq: int, max_attempts: int, records: RequestRecords | None = None, *,
+                 request_id: str, seq: int, max_attempts: int, metrics: ConductorMetrics | None = None, *,
                  max_migrations: int = 0, prefill_timeout_s: float = 0.0, client_deadline_s: float | None = None,
                  client_request_id: str = "", live_key: bytes = b""):
         self.core, self.dispatcher, self.tokenizer, self.req = core, dispatcher, tokenizer, req
@@ -131,8 +130,7 @@ class RequestLife:
         by_client = client_deadline_s is not None and client_deadline_s < req.deadline_s
         self.deadline_s = client_deadline_s if by_client else req.deadline_s
         self._deadline_name = "the client's gRPC deadline" if by_client else "deadline_s"
-        self.records = records
-        self.metrics: ConductorMetrics = records.metrics if records is not None else ConductorMetrics.disabled()
+        self.metrics: ConductorMetrics = metrics if metrics is not None else ConductorMetrics.disabled()
         self.out = ClientStream(client_request_id or request_id, req, tokenizer, self.metrics, core.slos, self.clock)
         self.t, self.tokens = self.out.t, self.out.tokens  # read here, written by ``out``
         self._base = 0  # tokens sent before the current placement: its prompt is prompt + tokens[:base]
@@ -178,7 +176,7 @@ class RequestLife:
         try:
             yield from self._run()
         except Refused:
-            self.out.ended = True  # refused before any work: the caller reports it (RequestRecords.count)
+            self.out.ended = True  # refused before any work: the caller reports it (ConductorMetrics.refused)
             raise
         finally:
             self.core.finished(self.request_id)
@@ -336,8 +334,7 @@ class RequestLife:
         are stored, and how fast the worker was against the prediction."""
         self.core.prefilled(self.request_id, decision.prefill_worker, decision.predicted.model_prefill_s,
                             result.prefill_s, result.events)
-        if self.records is not None:
-            self.records.prediction(decision.predicted.ttft_s, self.clock.now() - self.t.routed)
+        self.metrics.prediction(decision.predicted.ttft_s, self.clock.now() - self.t.routed)
 
     # ---- decoding and migrating --------------------------------------------------------------
     def _forward(self, decision: RouteDecision, first: int) -> Generator[pb.GenerateResponse, None, _Loss | None]:

@@ -2,8 +2,9 @@
 decisions, prefill retries and decode migrations, the scheduler's prediction error, and
 scrape-time gauges of admission and workers.
 
-``ConductorMetrics`` is handed to ``RequestRecords`` (``records.metrics``), which the request
-lifecycle (``conductor.lifecycle``) reports through; ``watch(cluster, admission)`` adds the
+``ConductorMetrics`` is the one place a request's outcome is counted: the request lifecycle
+(``conductor.lifecycle``) reports through it every request it ends, the server
+(``conductor.server``) the ones it refuses before any work (``refused``); ``watch(cluster, admission)`` adds the
 gauges that are read only when Prometheus scrapes. Labels: ``model`` on everything, ``tenant``
 (bounded, ``runtime.metrics.TenantLabels``) on the per-request counters, ``policy`` and
 ``branch`` on routing decisions; the per-worker gauges carry the worker's ``worker_id`` and

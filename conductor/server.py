@@ -39,7 +39,6 @@ from conductor.core import ConductorCore
 from conductor.grpc_dispatch import GrpcDispatcher
 from conductor.lifecycle import Aborted, Refused, RequestLife
 from conductor.metrics import ConductorMetrics
-from conductor.records import RequestRecords
 from conductor.requests import LiveRequests
 from conductor.routing import PolicyContext, make_policy
 from conductor.shared_state import SharedState, open_state
@@ -108,9 +107,9 @@ class InferenceService:
     """``api_keys`` None: no authentication, the request's tenant is trusted (--insecure-no-auth)."""
 
     def __init__(self, config: ConductorConfig, core: ConductorCore, dispatcher: GrpcDispatcher,
-                 admission: Admission, records: RequestRecords, api_keys: ApiKeys | None, live: LiveRequests):
-        self.config, self.core, self.dispatcher, self.admission, self.records = (
-            config, core, dispatcher, admission, records)
+                 admission: Admission, metrics: ConductorMetrics, api_keys: ApiKeys | None, live: LiveRequests):
+        self.config, self.core, self.dispatcher, self.admission, self.metrics = (
+            config, core, dispatcher, admission, metrics)
         self.api_keys = api_keys
         self.live = live
         self.cfg = engine.load_config(config.model)
@@ -131,7 +130,7 @@ class InferenceService:
         try:
             request = pb.GenerateRequest.FromString(raw)
         except DecodeError:
-            self.records.count("invalid")
+            self.metrics.refused("", "invalid", "invalid_argument")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "malformed GenerateRequest: not a valid message, or text that is not UTF-8")
         yield from self.Generate(request, context, tenant)
@@ -142,14 +141,13 @@ class InferenceService:
         try:
             return self.api_keys.authenticate(context.invocation_metadata())
         except AuthError as e:
-            self.records.count("unauthenticated")
             refuse(context, e, "Generate")
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext, key: ApiKey | None = None):
         try:
             valid = validate(request, self.cfg, self.tokenizer, self.limits)
         except ValueError as e:
-            self.records.count("invalid")
+            self.metrics.refused(request.tenant, "invalid", "invalid_argument")
             REFUSALS.log(logging.INFO, "invalid", "request %s from %s refused: INVALID_ARGUMENT: %s",
                          request.request_id or "(no id)", context.peer(), e)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -157,7 +155,6 @@ class InferenceService:
             try:
                 valid = dataclasses.replace(valid, tenant=key.tenant_for(request.tenant))
             except AuthError as e:
-                self.records.count("permission_denied")
                 refuse(context, e, f"Generate as tenant {request.tenant!r}")
         client_left_s = context.time_remaining()
         deadline_s = min(valid.deadline_s, client_left_s if client_left_s is not None else math.inf)
@@ -168,7 +165,7 @@ class InferenceService:
             # The wait ends at the deadline or at --max-queue-wait-s, whichever is sooner.
             late = deadline_s <= self.config.max_queue_wait_s and refusal.kind == "waited"
             reason = "deadline" if late else "queue_full" if refusal.kind == "waited" else refusal.kind
-            self.records.count("rejected", reason=reason, tenant=valid.tenant)
+            self.metrics.refused(valid.tenant, "rejected", reason)
             REFUSALS.log(logging.INFO, f"rejected:{reason}", "request %s rejected (%s): %s",
                          request.request_id or "(no id)", reason, refusal)
             context.set_trailing_metadata((("retry-after-s", "1"), ("reject-reason", reason)))
@@ -176,23 +173,20 @@ class InferenceService:
                           refusal.message + (" before the request's deadline" if late else ""))
         claim = self.live.claim(valid.tenant, request.request_id, failover=request.failover or bool(valid.resumed))
         if claim is None:
-            self.records.count("rejected", reason="duplicate_id", tenant=valid.tenant)
+            self.metrics.refused(valid.tenant, "rejected", "duplicate_id")
             self.admission.leave(share[0])
             context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already in flight "
                                                           f"for this tenant; give each request its own id")
         life = RequestLife(self.core, self.dispatcher, self.tokenizer, valid, claim.request_id, next(self._seq),
-                           self.config.max_prefill_attempts, self.records,
+                           self.config.max_prefill_attempts, self.metrics,
                            max_migrations=self.config.max_decode_migrations,
                            prefill_timeout_s=self.config.prefill_timeout_s, client_deadline_s=context.time_remaining(),
                            client_request_id=claim.client_request_id, live_key=claim.live_key)
         context.add_callback(life.cancel)
         try:
-            for msg in life.run():
-                if msg.finish_reason:
-                    self.records.count(pb.FinishReason.Name(msg.finish_reason))
-                yield msg
+            yield from life.run()
         except Refused as e:
-            self.records.count("rejected", reason=e.reason, tenant=valid.tenant)
+            self.metrics.refused(valid.tenant, "rejected", e.reason)
             REFUSALS.log(logging.INFO, f"rejected:{e.reason}", "request %s rejected (%s): %s", life.request_id,
                          e.reason, e)
             context.set_trailing_metadata((("retry-after-s", f"{e.retry_after_s:g}"), ("reject-reason", e.reason)))
@@ -200,8 +194,6 @@ class InferenceService:
         except Aborted as e:  # DEADLINE_EXCEEDED after work began; the lifecycle reported the outcome
             context.abort(e.code, str(e))
         finally:
-            if life.cancelled:
-                self.records.count("client_cancelled")
             self.live.release(claim)
             self.admission.leave(share[0])
 
@@ -291,7 +283,7 @@ class Conductor(ServiceBase):
         admission = Admission(config.admission)
         dispatcher = GrpcDispatcher(cluster, config.decode_stall_timeout_s or math.inf)
         live = LiveRequests(derive(member.secret, "request-ids"), shared.log.replica_id, core.replicas)
-        inference = InferenceService(config, core, dispatcher, admission, RequestRecords(metrics=metrics), api_keys,
+        inference = InferenceService(config, core, dispatcher, admission, metrics, api_keys,
                                      live)
         metrics.watch(cluster, admission)
         registry = RegistryService(cluster, config.heartbeat_interval_s)

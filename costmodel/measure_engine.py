@@ -76,10 +76,6 @@ class PrefillBench:
     def close(self) -> None:
         self.store.close()
 
-    def reused_tokens(self, num_tokens: int) -> int:
-        """num_tokens rounded down to whole blocks: what can actually be reused."""
-        return num_tokens // self.block_size * self.block_size
-
     def _random_ids(self, n: int) -> list[int]:
         # Byte-level ids below 256 are ordinary text for the tiny tokenizer; any id works for timing.
         return [self._rng.randrange(self.model.cfg.vocab_size) for _ in range(n)]

@@ -60,10 +60,6 @@ class LinkCost:
     latency_s: float
     s_per_byte: float
 
-    @property
-    def bytes_per_s(self) -> float:
-        return math.inf if self.s_per_byte == 0 else 1.0 / self.s_per_byte
-
     def time_s(self, num_bytes: int) -> float:
         if num_bytes < 0:
             raise ValueError(f"num_bytes must be >= 0, got {num_bytes}")

@@ -11,8 +11,6 @@ from pathlib import Path
 
 from runtime.settings import setup_torch
 
-DEMO_PROMPT = "Tidekv keeps every finished block of KV cache so the next request does not recompute it. "
-
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     if args.endpoint:

@@ -76,9 +76,6 @@ class BlockIndex:
         """What ``worker_id`` holds (a copy)."""
         return dict(self._worker_blocks.get(worker_id, {}))
 
-    def try_hold(self, worker_id: str, key: BlockKey) -> BlockHold | None:
-        return self._worker_blocks.get(worker_id, {}).get(key)
-
     def holders(self) -> list[str]:
         return sorted(self._worker_blocks)
 

@@ -100,38 +100,3 @@ def leading_present(present: Sequence[bool | Tier | None]) -> int:
         if not _is_present(entry):
             return i
     return len(present)
-
-
-@dataclasses.dataclass(frozen=True)
-class MatchResult:
-    """A prefix match under the hybrid rule.
-
-    ``num_blocks``: leading blocks usable (MLA rows present and a snapshot at block
-    ``num_blocks - 1``). ``num_present_blocks``: leading blocks whose MLA rows are present
-    (>= ``num_blocks``; the difference must be recomputed for lack of a snapshot).
-    ``tiers``: the tier of each of the ``num_blocks`` usable blocks. ``holder``: the worker
-    holding them when the match comes from a global index, None for a local store.
-    """
-
-    num_blocks: int
-    num_present_blocks: int
-    tiers: tuple[Tier, ...]
-    holder: str | None = None
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.num_blocks <= self.num_present_blocks:
-            raise ValueError(f"need 0 <= num_blocks ({self.num_blocks}) <= num_present ({self.num_present_blocks})")
-        if len(self.tiers) != self.num_blocks:
-            raise ValueError(f"{len(self.tiers)} tiers for {self.num_blocks} blocks")
-
-    @property
-    def snapshot_block(self) -> int | None:
-        """Index of the block whose snapshot the match resumes from, None for no match."""
-        return self.num_blocks - 1 if self.num_blocks else None
-
-
-def match_blocks(tiers: Sequence[Tier | None], has_snapshot: Sequence[bool], holder: str | None = None) -> MatchResult:
-    """Apply the hybrid rule to per-block tiers (None = absent) and snapshot flags."""
-    num_blocks = usable_prefix(tiers, has_snapshot)
-    usable_tiers = tuple(t for t in tiers[:num_blocks] if t is not None)
-    return MatchResult(num_blocks, leading_present(tiers), usable_tiers, holder)

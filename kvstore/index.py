@@ -104,9 +104,3 @@ class MatchSnapshot:
     def get(self, worker_id: str) -> WorkerMatch | None:
         """The match of ``worker_id``, or None when that worker is not alive."""
         return next((m for m in self.matches if m.worker_id == worker_id), None)
-
-    @property
-    def best_usable(self) -> WorkerMatch | None:
-        """The worker with the longest usable prefix (ties: lowest id), or None if none is usable."""
-        best = max(self.matches, key=lambda m: m.num_blocks_usable, default=None)
-        return best if best is not None and best.num_blocks_usable > 0 else None

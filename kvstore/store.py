@@ -34,7 +34,7 @@ from kvstore.blocks import KEY_BYTES, BlockKey, Tier
 from kvstore.device import DeviceTier, Snapshot
 from kvstore.dram import DramTier
 from kvstore.eviction import DEFAULT_POLICY, POLICIES
-from kvstore.hitrule import MatchResult, SnapshotPolicy, match_blocks
+from kvstore.hitrule import SnapshotPolicy
 from kvstore.metrics import StoreMetrics
 from kvstore.payload import BlockPayload, verify
 from kvstore.placement import Backend, Placement, StoreEvent, as_bytes, as_payload
@@ -222,20 +222,6 @@ class TieredStore:
         with self._lock:
             device = self._placement.tiers.get(Tier.DEVICE)
             return device.held_pages() if isinstance(device, DeviceTier) else []
-
-    def match(self, keys: Sequence[BlockKey]) -> MatchResult:
-        """The longest prefix of ``keys`` reusable under the hybrid hit rule (no side effects;
-        pin the matched keys before relying on them)."""
-        with self._lock:
-            tiers: list[Tier | None] = []
-            snapshots: list[bool] = []
-            for key in keys:
-                tier = self._placement.where.get(key)
-                if tier is None:
-                    break
-                tiers.append(tier)
-                snapshots.append(self._placement.has_snapshot(key))
-            return match_blocks(tiers, snapshots)
 
     # ----- puts and gets ---------------------------------------------------------------
 

@@ -67,14 +67,6 @@ def write_scrape_config(path: str | Path, addresses: Sequence[str], interval_s: 
     return path
 
 
-def write_targets(path: str | Path, addresses: Sequence[str]) -> Path:
-    """A file_sd target file (JSON) for the checked-in ``deploy/prometheus/prometheus.yml``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps([{"targets": list(addresses), "labels": {}}], indent=2) + "\n")
-    return path
-
-
 class PrometheusError(RuntimeError):
     pass
 
@@ -113,9 +105,6 @@ class PrometheusClient:
 
     def metric_names(self) -> set[str]:
         return set(self._get("/api/v1/label/__name__/values"))
-
-    def targets_up(self) -> int:
-        return sum(1 for t in self._get("/api/v1/targets")["activeTargets"] if t.get("health") == "up")
 
     def ready(self) -> bool:
         try:

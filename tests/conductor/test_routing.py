@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from clusterstate.workers import PrefillJobLoad
+from clusterstate.workers import PrefillJobLoad, WorkerRole
 from conductor.policies import CacheAwareConfig, make_cache_aware
 from conductor.routing import (
     ClusterSnapshot,
@@ -19,7 +19,6 @@ from conductor.routing import (
     RouteDecision,
     RouteRequest,
     WorkerView,
-    check_decision,
     decode_need_pages,
     make_policy,
     max_reuse_blocks,
@@ -384,3 +383,22 @@ def test_exact_fit_is_accepted(policy_name: str) -> None:
     req = request(17, max_tokens=8)
     decision = get_policy(policy_name)(snapshot([prefill("p")], [decode("d0", 6), decode("d1", 7)]), req)
     assert isinstance(decision, RouteDecision) and decision.decode_worker == "d1"
+
+
+def check_decision(snapshot: ClusterSnapshot, request: RouteRequest, decision: RouteDecision) -> None:
+    """Assert that ``decision`` obeys the shared rules against ``snapshot``: workers exist in
+    their roles, the decode worker fits, and the reuse plan is within the cap and held."""
+    prefill = snapshot.find(decision.prefill_worker)
+    decode = snapshot.find(decision.decode_worker)
+    assert prefill is not None and prefill.role is WorkerRole.PREFILL, f"bad prefill worker {decision.prefill_worker}"
+    assert decode is not None and decode.role is WorkerRole.DECODE, f"bad decode worker {decision.decode_worker}"
+    need = decode_need_pages(request)
+    assert decode.num_free_pages >= need, f"{decode.worker_id}: {decode.num_free_pages} free < {need}"
+    reuse = decision.reuse
+    assert 0 <= reuse.num_blocks <= max_reuse_blocks(request), f"reuse {reuse} over the cap"
+    source = prefill if reuse.holder is None else snapshot.find(reuse.holder)
+    assert source is not None and source.role is WorkerRole.PREFILL, f"bad holder {reuse.holder}"
+    assert reuse.holder != prefill.worker_id, "holder must be another worker (None means own tiers)"
+    assert source.usable_blocks >= reuse.num_blocks, f"{source.worker_id} holds fewer than {reuse}"
+    assert (decision.branch is RouteBranch.COLD) == (reuse.num_blocks == 0), f"branch {decision.branch} for {reuse}"
+    assert (decision.branch in (RouteBranch.PULL, RouteBranch.REPLICATE)) == (reuse.holder is not None), decision

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvstore.blocks import Tier, chain_keys
-from kvstore.hitrule import MatchResult, SnapshotPolicy, leading_present, match_blocks, usable_prefix
+from kvstore.hitrule import SnapshotPolicy, leading_present, usable_prefix
 from kvstore.payload import make_random_payload
 from kvstore.store import StoreConfig, TieredStore
 
@@ -71,15 +71,6 @@ def test_usable_prefix_rejects_mismatched_lengths() -> None:
         usable_prefix([True] * 3, [True] * 2)
 
 
-def test_match_blocks() -> None:
-    result = match_blocks([D, M, S, None, M], [False, True, False, False, True], holder="w1")
-    assert result == MatchResult(num_blocks=2, num_present_blocks=3, tiers=(D, M), holder="w1")
-    assert result.snapshot_block == 1
-    assert match_blocks([None], [False]).snapshot_block is None
-    with pytest.raises(ValueError):
-        MatchResult(num_blocks=2, num_present_blocks=1, tiers=(M, M))
-
-
 def _store_with_prompt(tokens: list[int], salt: str, snapshot_at: set[int]) -> TieredStore:
     store = TieredStore(StoreConfig(FP, dram_capacity_bytes=1 << 20))
     gen = torch.Generator().manual_seed(0)
@@ -89,22 +80,26 @@ def _store_with_prompt(tokens: list[int], salt: str, snapshot_at: set[int]) -> T
     return store
 
 
-def test_store_match_applies_the_hybrid_rule() -> None:
+def _usable(store, keys) -> tuple[int, int]:
+    """(usable, present) blocks of ``keys`` in ``store``, by the hit rule over what it holds."""
+    present = [store.contains(k) for k in keys]
+    return usable_prefix(present, [store.has_snapshot(k) for k in keys]), leading_present(present)
+
+
+def test_the_rule_over_a_store_s_blocks() -> None:
     tokens = list(range(24))  # 6 blocks
     store = _store_with_prompt(tokens, "", snapshot_at={1, 3, 5})
     keys = chain_keys(tokens, 4, FP)
-    assert store.match(keys).num_blocks == 6
+    assert _usable(store, keys) == (6, 6)
     assert store.remove(keys[4])  # MLA hole before the last snapshot
-    result = store.match(keys)
-    assert (result.num_blocks, result.num_present_blocks, result.tiers) == (4, 4, (M,) * 4)
-    assert store.match(keys[:3]).num_blocks == 2  # snapshot missing at block 2
+    assert _usable(store, keys) == (4, 4)
+    assert _usable(store, keys[:3]) == (2, 3)  # snapshot missing at block 2
     longer = chain_keys(tokens + list(range(100, 108)), 4, FP)
-    assert store.match(longer).num_blocks == 4
+    assert _usable(store, longer) == (4, 4)
 
 
 def test_salt_mismatch_means_no_match() -> None:
     tokens = list(range(16))
     store = _store_with_prompt(tokens, "tenant-a", snapshot_at={0, 1, 2, 3})
-    assert store.match(chain_keys(tokens, 4, FP, "tenant-a")).num_blocks == 4
-    other = store.match(chain_keys(tokens, 4, FP, "tenant-b"))
-    assert (other.num_blocks, other.num_present_blocks) == (0, 0)
+    assert _usable(store, chain_keys(tokens, 4, FP, "tenant-a")) == (4, 4)
+    assert _usable(store, chain_keys(tokens, 4, FP, "tenant-b")) == (0, 0)

@@ -24,7 +24,6 @@ from conductor.core import ConductorCore
 from conductor.dispatch import DecodeChunk, DispatchError, FailureKind, PrefillCall, PrefillResult
 from conductor.lifecycle import Refused, RequestLife
 from conductor.metrics import ConductorMetrics
-from conductor.records import RequestRecords
 from conductor.routing import PolicyContext, make_policy
 from conductor.validation import ValidRequest
 from costmodel.builtin import tiny_cpu_estimate
@@ -145,7 +144,6 @@ class InProcCluster:
         policy = make_policy(config.policy, PolicyContext(config.routing, tiny_cpu_estimate()))
         self.core = ConductorCore(self.cluster, policy, config.slos, SystemClock())
         self.metrics = ConductorMetrics.for_config(config, registry)
-        self.records = RequestRecords(metrics=self.metrics)
         self.admission = Admission(config.admission)
         self.metrics.watch(self.cluster, self.admission)
         self.dispatcher = InProcDispatcher(self)
@@ -186,12 +184,12 @@ class InProcCluster:
         a client that goes away does."""
         seen = Seen(req.tenant)
         if self.admission.try_enter(timeout_s=5.0) is not None:
-            self.records.count("rejected", reason="queue_full", tenant=req.tenant)
+            self.metrics.refused(req.tenant, "rejected", "queue_full")
             seen.outcome, seen.reason = "rejected", "queue_full"
             return seen
         self._seq += 1
         life = RequestLife(self.core, self.dispatcher, self.tokenizer, req, uuid.uuid4().hex, self._seq,
-                           self.config.max_prefill_attempts, self.records)
+                           self.config.max_prefill_attempts, self.metrics)
         stream = life.run()
         try:
             for msg in stream:
@@ -202,7 +200,7 @@ class InProcCluster:
                     seen.outcome = "cancelled"
                     break
         except Refused as e:
-            self.records.count("rejected", reason=e.reason, tenant=req.tenant)
+            self.metrics.refused(req.tenant, "rejected", e.reason)
             seen.outcome, seen.reason = "rejected", e.reason
         finally:
             self.admission.leave()
@@ -221,11 +219,11 @@ class InProcCluster:
 
     def refuse_at_admission(self, tenant: str) -> Seen:
         """A request refused because admission is full (as the server counts it)."""
-        self.records.count("rejected", reason="queue_full", tenant=tenant)
+        self.metrics.refused(tenant, "rejected", "queue_full")
         return Seen(tenant, "rejected", "queue_full")
 
     def invalid(self) -> Seen:
-        self.records.count("invalid")
+        self.metrics.refused("", "invalid", "invalid_argument")
         return Seen("", "invalid", "invalid_argument")
 
     def close(self) -> None:

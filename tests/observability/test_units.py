@@ -14,7 +14,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from conductor.config import ConductorConfig
 from conductor.metrics import ConductorMetrics
-from conductor.records import RequestRecords
 from decode_worker.config import DecodeConfig
 from decode_worker.metrics import DecodeMetrics
 from kvstore.metrics import StoreMetrics
@@ -97,11 +96,11 @@ def test_raw_metrics_have_one_colon_and_rules_two() -> None:
 
 
 def test_disabled_metrics_record_nothing() -> None:
-    records = RequestRecords()
-    records.count("rejected", reason="queue_full")
-    records.prediction(1.0, 2.0)
-    records.metrics.ended("t", "stop", "", 10, 2, 1.0, True)
-    assert not records.metrics.enabled and records.outcomes["rejected"] == 1
+    metrics = ConductorMetrics.disabled()
+    metrics.refused("t", "rejected", "queue_full")
+    metrics.prediction(1.0, 2.0)
+    metrics.ended("t", "stop", "", 10, 2, 1.0, True)
+    assert not metrics.enabled
     for m in (DecodeMetrics.disabled(), PrefillMetrics.disabled(), StoreMetrics.disabled()):
         assert not m.enabled
         m.watch(object())  # registers nothing
