@@ -34,6 +34,7 @@ import torch
 from clusterstate.workers import WorkerLoad
 from decode_worker.metrics import DecodeMetrics
 from engine import CacheManager, HybridModel, SamplingParams, SequenceCache, sample
+from runtime.errors import Conflict, NoReservation
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class DecodeScheduler:
         worker is draining)."""
         with self._lock:
             if request_id in self._reserved or request_id in self._running:
-                raise ValueError(f"request {request_id!r} is already on this worker")
+                raise Conflict(f"request {request_id!r} is already on this worker")
             if self.draining:
                 return None
             seq = self.cache.try_reserve(request_id, num_tokens)
@@ -142,7 +143,7 @@ class DecodeScheduler:
         with self._lock:
             res = self._reserved.pop(request_id, None)
             if res is None:
-                raise ValueError(f"request {request_id!r} holds no reservation here (expired or released)")
+                raise NoReservation(f"request {request_id!r} holds no reservation here (expired or released)")
             res.seq.num_tokens = num_prompt_tokens
             run = _Running(res.seq, params, first_token, 1)
             # Made sure of once here, so that no step has to check or grow pages.

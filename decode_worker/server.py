@@ -25,6 +25,7 @@ from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
 from proto.convert import sampling_from_proto
 from runtime.auth import Need
+from runtime.errors import Refusal
 from runtime.grpc_server import start_server
 from runtime.metrics import Identity, start_metrics
 from runtime.service import WorkerServiceBase, serve_until_signal
@@ -48,8 +49,8 @@ class DecodeService(igrpc.DecodeServicer):
         n = request.prompt_tokens + request.max_tokens
         try:
             seq = self.scheduler.try_reserve(request.request_id, n)
-        except ValueError as e:
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except Refusal as e:  # Conflict: the id holds a reservation here already
+            e.abort(context)
         if seq is None and self.scheduler.draining:
             context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining for shutdown")
         if seq is None:
@@ -71,8 +72,8 @@ class DecodeService(igrpc.DecodeServicer):
         params = sampling_from_proto(request.sampling)
         try:
             out = self.scheduler.start_decoding(rid, request.prompt_tokens, request.first_token, params)
-        except ValueError as e:  # the reservation expired or was released meanwhile
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except Refusal as e:  # NoReservation: it expired or was released meanwhile
+            e.abort(context)
         context.add_callback(lambda: self.scheduler.release(rid))
         while True:
             # Every token queued so far goes in one message (the terminal rides on the last):

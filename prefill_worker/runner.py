@@ -43,11 +43,12 @@ from kvstore.transfer.frames import Kind
 from prefill_worker.blocks import payload_of_block, resume_from_blocks
 from prefill_worker.metrics import STAGES, PrefillMetrics
 from prefill_worker.transfers import TransferHub
+from runtime.errors import Conflict, InvalidRequest, NoRoom
 
 log = logging.getLogger(__name__)
 
 
-class Busy(Exception):
+class Busy(NoRoom):
     """The worker cannot hold the request's cache now; the Conductor may retry elsewhere."""
 
 
@@ -160,14 +161,14 @@ class PrefillRunner:
     def run(self, job: PrefillJob, is_cancelled: Callable[[], bool]) -> PrefillOutcome:
         bs = self.cache.block_size
         if len(job.block_keys) != len(job.token_ids) // bs:
-            raise ValueError(f"{len(job.block_keys)} block keys for {len(job.token_ids)} tokens "
+            raise InvalidRequest(f"{len(job.block_keys)} block keys for {len(job.token_ids)} tokens "
                              f"(block_size {bs} makes {len(job.token_ids) // bs} full blocks)")
         reused = min(job.reuse_blocks * bs, len(job.token_ids) - 1)
         with self._count_lock:
             if self.draining:
                 raise Busy("prefill worker is draining for shutdown")
             if job.request_id in self._jobs:
-                raise ValueError(f"request {job.request_id} is already prefilling here")
+                raise Conflict(f"request {job.request_id} is already prefilling here")
             self._waiting += 1
             self._jobs[job.request_id] = (len(job.token_ids) - reused, reused, None)
         clock = StageClock()

@@ -24,12 +24,13 @@ from kvstore.store import StoreConfig, StoreEvent, TieredStore
 from kvstore.transfer.base import FaultInjection, TransferConfig, TransferError
 from prefill_worker.config import PrefillConfig
 from prefill_worker.metrics import PrefillMetrics
-from prefill_worker.runner import Busy, Cancelled, PrefillJob, PrefillRunner
+from prefill_worker.runner import Cancelled, PrefillJob, PrefillRunner
 from prefill_worker.transfers import TransferHub
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
 from proto.convert import block_event, sampling_from_proto
 from runtime.auth import AuthError, Need, WorkerCredential, check_grant, current_principal, refuse, worker_of
+from runtime.errors import Refusal
 from runtime.grpc_server import start_server
 from runtime.metrics import Identity, start_metrics
 from runtime.service import WorkerServiceBase, serve_until_signal
@@ -74,14 +75,12 @@ class PrefillService(igrpc.PrefillServicer):
         )
         try:
             out = self.runner.run(job, lambda: not context.is_active())
-        except Busy as e:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except Refusal as e:  # Busy is NoRoom; anything not typed is a bug of ours: UNKNOWN, not the caller's
+            e.abort(context)
         except Cancelled as e:
             context.abort(grpc.StatusCode.CANCELLED, str(e))
         except TransferError as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer to decode worker failed: {e}")
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return ipb.PrefillResponse(first_token=out.first_token, cached_tokens=out.cached_tokens,
                                    prefill_s=out.prefill_s, events=self.events.drain(),
                                    loaded_tokens=out.loaded_tokens)
