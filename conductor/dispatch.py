@@ -112,7 +112,7 @@ class PrefillResult:
 @dataclass(frozen=True)
 class DecodeChunk:
     token_ids: tuple[int, ...]
-    finish_reason: str = ""  # "", "stop", "length", "cancelled" or "failed"
+    finish_reason: int = 0  # a FinishReason (pb.FINISH_REASON_*), as the worker sent it; 0 until the end
 
 
 CancelHook = Callable[[Callable[[], None]], None]

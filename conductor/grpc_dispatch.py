@@ -26,7 +26,7 @@ from conductor.cluster import Cluster, Endpoint
 from conductor.dispatch import CancelHook, DecodeChunk, DispatchError, FailureKind, PrefillCall, PrefillResult
 from engine.sampler import SamplingParams
 from proto import internal_pb2 as ipb
-from proto.convert import FINISH_NAMES, block_event_from_proto, sampling_to_proto
+from proto.convert import block_event_from_proto, sampling_to_proto
 from runtime.auth import grant
 
 log = logging.getLogger(__name__)
@@ -228,7 +228,7 @@ class GrpcDispatcher:
             for msg in stream:
                 if watch is not None:
                     self._stalls.touch(watch)
-                yield DecodeChunk(tuple(msg.token_ids), FINISH_NAMES.get(msg.finish_reason, ""))
+                yield DecodeChunk(tuple(msg.token_ids), msg.finish_reason)
         except grpc.RpcError as e:
             stalled = watch is not None and self._stalls.done(watch)
             watch = None  # done() stopped watching either way

@@ -66,7 +66,6 @@ from conductor.validation import ValidRequest
 from engine.sampler import SamplingParams
 from engine.tokenizer import Tokenizer
 from proto import inference_pb2 as pb
-from proto.convert import FINISH_CODES
 from runtime.logs import Throttled
 
 log = logging.getLogger(__name__)
@@ -349,11 +348,11 @@ class RequestLife:
             for chunk in chunks:
                 if chunk.token_ids:
                     yield self._more(chunk.token_ids)
-                if chunk.finish_reason == "failed":
+                if chunk.finish_reason == pb.FINISH_REASON_FAILED:
                     return _Loss(d, FailureKind.INTERNAL, "decode_worker", "the decode worker failed the request",
                                  len(self.tokens))
                 if chunk.finish_reason:
-                    yield self._terminal(FINISH_CODES[chunk.finish_reason], failure="decode_worker")
+                    yield self._terminal(chunk.finish_reason, failure="decode_worker")
                     return None
             return _Loss(d, FailureKind.UNAVAILABLE, "decode_stream", "decode stream ended early", len(self.tokens))
         except DispatchError as e:

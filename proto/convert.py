@@ -84,9 +84,3 @@ def load_from_proto(load: ipb.WorkerLoad) -> WorkerLoad:
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(max_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                              seed=p.seed, stop_token_ids=list(p.stop_token_ids))
-
-
-FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                pb.FINISH_REASON_CANCELLED: "cancelled", pb.FINISH_REASON_FAILED: "failed",
-                pb.FINISH_REASON_REJECTED: "rejected"}
-FINISH_CODES = {name: code for code, name in FINISH_NAMES.items()}

@@ -126,10 +126,10 @@ class ScriptedDispatcher:
             if done and decode_worker in self.before_finish:
                 raise DispatchError(FailureKind.UNAVAILABLE, decode_worker, "decode failed: Socket closed")
             if token in sampling.stop_token_ids:
-                yield DecodeChunk((), "stop")
+                yield DecodeChunk((), pb.FINISH_REASON_STOP)
                 return
             if num_generated >= sampling.max_new_tokens:
-                yield DecodeChunk((), "length")
+                yield DecodeChunk((), pb.FINISH_REASON_LENGTH)
                 return
 
     def release(self, decode_worker: str, request_id: str) -> None:
