@@ -39,6 +39,7 @@ from costmodel.builtin import tiny_cpu_estimate
 from decode_worker.metrics import DecodeMetrics
 from decode_worker.scheduler import DecodeScheduler, Finished
 from engine.sampler import SamplingParams
+from proto import inference_pb2 as pb
 from proto import internal_pb2 as ipb
 from runtime.auth import CONDUCTOR, Member, worker_principal
 from runtime.metrics import Identity, TenantLabels, start_metrics
@@ -105,14 +106,14 @@ class _InstantDispatcher:
     def reserve(self, decode_worker, request_id, num_prompt_tokens, max_tokens, deadline_s) -> str:
         return "tcp://127.0.0.1:1"
 
-    def prefill(self, prefill_worker, call: PrefillCall, sampling, on_cancel) -> PrefillResult:
-        return PrefillResult(5, 0, 0.0, ())
+    def prefill(self, prefill_worker, call: PrefillCall, on_cancel) -> PrefillResult:
+        return PrefillResult(5, 0, 0.0)
 
     def decode(self, decode_worker, request_id, first_token, sampling, num_prompt_tokens, deadline_s,
                on_cancel) -> Iterator[DecodeChunk]:
         for i in range(self.num_tokens - 2):
             yield DecodeChunk((6 + i % 100,))
-        yield DecodeChunk((9,), "length")
+        yield DecodeChunk((9,), pb.FINISH_REASON_LENGTH)
 
     def release(self, decode_worker, request_id) -> None:
         pass

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 
 from conductor.clock import Clock
 from conductor.config import SLOTable
-from conductor.dispatch import PrefillResult
 from conductor.metrics import ConductorMetrics
 from conductor.routing import Prediction, RouteDecision
 from conductor.validation import ValidRequest
 from engine.detokenizer import Detokenizer
 from engine.tokenizer import Tokenizer
 from proto import inference_pb2 as pb
+from runtime.calls import PrefillResult
 
 ITL_BATCH_TOKENS = 16  # token intervals handed to the metrics at once (and at the end of a request)
 

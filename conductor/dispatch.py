@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.sampler import SamplingParams
-from kvstore.index import BlockEvent
+from runtime.calls import PrefillCall, PrefillResult  # noqa: F401 - re-exported: the Dispatcher's values
 
 
 class FailureKind(enum.StrEnum):
@@ -89,27 +89,6 @@ def request_of(placement_id: str) -> str:
 
 
 @dataclass(frozen=True)
-class PrefillCall:
-    request_id: str
-    token_ids: tuple[int, ...]
-    block_keys: tuple[bytes, ...]
-    num_reuse_blocks: int
-    holder_worker: str | None  # pull the reused prefix from this worker (it is kept: a replica)
-    decode_transfer_address: str
-    deadline_s: float  # seconds left of the request's deadline (the worker's bound too)
-    timeout_s: float = math.inf  # this attempt's bound: past it the call ends as STALLED (prefill_timeout_s)
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    first_token: int
-    cached_tokens: int
-    prefill_s: float  # the worker's own time for it
-    events: tuple[BlockEvent, ...]  # blocks the prefill stored, for the index
-    loaded_tokens: int = 0  # of cached_tokens, those copied into pages (the rest reused in place)
-
-
-@dataclass(frozen=True)
 class DecodeChunk:
     token_ids: tuple[int, ...]
     finish_reason: int = 0  # a FinishReason (pb.FINISH_REASON_*), as the worker sent it; 0 until the end
@@ -126,8 +105,7 @@ class Dispatcher(Protocol):
                 deadline_s: float) -> str:
         """Reserve pages for prompt + max tokens; returns the decode worker's transfer address."""
 
-    def prefill(self, prefill_worker: str, call: PrefillCall, sampling: SamplingParams,
-                on_cancel: CancelHook) -> PrefillResult: ...
+    def prefill(self, prefill_worker: str, call: PrefillCall, on_cancel: CancelHook) -> PrefillResult: ...
 
     def decode(self, decode_worker: str, request_id: str, first_token: int, sampling: SamplingParams,
                num_prompt_tokens: int, deadline_s: float, on_cancel: CancelHook) -> Iterator[DecodeChunk]: ...

@@ -13,6 +13,7 @@ retried or migrated at once rather than after the prefill timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -26,7 +27,7 @@ from conductor.cluster import Cluster, Endpoint
 from conductor.dispatch import CancelHook, DecodeChunk, DispatchError, FailureKind, PrefillCall, PrefillResult
 from engine.sampler import SamplingParams
 from proto import internal_pb2 as ipb
-from proto.convert import block_event_from_proto, sampling_to_proto
+from proto.convert import prefill_call_to_proto, prefill_result_from_proto, sampling_to_proto
 from runtime.auth import grant
 
 log = logging.getLogger(__name__)
@@ -175,12 +176,8 @@ class GrpcDispatcher:
         except grpc.RpcError as e:
             raise _error(decode_worker, e, "decode reservation") from e
 
-    def prefill(self, prefill_worker: str, call: PrefillCall, sampling: SamplingParams,
-                on_cancel: CancelHook) -> PrefillResult:
-        request = ipb.PrefillRequest(
-            request_id=call.request_id, token_ids=call.token_ids, sampling=sampling_to_proto(sampling),
-            block_keys=call.block_keys, decode_transfer_address=call.decode_transfer_address,
-            deadline_s=call.deadline_s, reuse=self._reuse_plan(prefill_worker, call))
+    def prefill(self, prefill_worker: str, call: PrefillCall, on_cancel: CancelHook) -> PrefillResult:
+        request = prefill_call_to_proto(self._with_grant(prefill_worker, call))
         bounded = call.timeout_s < call.deadline_s  # the attempt's own bound ends it before the deadline
         future = self._endpoint(prefill_worker).prefill.Prefill.future(
             request, timeout=min(call.deadline_s, call.timeout_s))
@@ -199,21 +196,19 @@ class GrpcDispatcher:
                                     f"far slower than predicted); cancelled") from e
             raise _error(prefill_worker, e, "prefill") from e
         self._in_flight.done(prefill_worker, tracked)
-        events = tuple(block_event_from_proto(prefill_worker, e) for e in resp.events)
-        return PrefillResult(resp.first_token, resp.cached_tokens, resp.prefill_s, events, resp.loaded_tokens)
+        return prefill_result_from_proto(prefill_worker, resp)
 
-    def _reuse_plan(self, prefill_worker: str, call: PrefillCall) -> ipb.ReusePlan:
-        """The plan, with the grant that lets ``prefill_worker`` (and only it, to its own
-        receiver) have exactly the planned blocks from the holder."""
-        plan = ipb.ReusePlan(num_blocks=call.num_reuse_blocks, holder_worker_id=call.holder_worker or "", keep=True)
-        if call.holder_worker:
-            holder = self._endpoint(call.holder_worker)
-            puller = self._endpoint(prefill_worker).info
-            plan.holder_rpc_address = holder.info.rpc_address
-            plan.grant, plan.grant_expiry_ms = grant(holder.session_key, call.request_id, prefill_worker,
-                                                     puller.transfer_address,
-                                                     call.block_keys[: call.num_reuse_blocks], call.deadline_s)
-        return plan
+    def _with_grant(self, prefill_worker: str, call: PrefillCall) -> PrefillCall:
+        """``call`` with the holder's address and the grant that lets ``prefill_worker`` (and
+        only it, to its own receiver) have exactly the planned blocks from the holder."""
+        if not call.holder_worker:
+            return call
+        holder = self._endpoint(call.holder_worker)
+        puller = self._endpoint(prefill_worker).info
+        mac, expiry_ms = grant(holder.session_key, call.placement_id, prefill_worker, puller.transfer_address,
+                               call.block_keys[: call.num_reuse_blocks], call.deadline_s)
+        return dataclasses.replace(call, holder_rpc_address=holder.info.rpc_address, grant=mac,
+                                   grant_expiry_ms=expiry_ms)
 
     def decode(self, decode_worker: str, request_id: str, first_token: int, sampling: SamplingParams,
                num_prompt_tokens: int, deadline_s: float, on_cancel: CancelHook) -> Iterator[DecodeChunk]:

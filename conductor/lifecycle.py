@@ -318,12 +318,12 @@ class RequestLife:
 
         self._on_cancel(release)
         timeout_s = prefill_timeout_s(self.prefill_timeout_s, decision.predicted.ttft_s)
-        call = PrefillCall(rid, facts.prompt_ids, keys, decision.reuse.num_blocks,
-                           decision.reuse.holder, address, self._call_timeout_s(), timeout_s)
+        call = PrefillCall(rid, facts.prompt_ids, params, keys, decision.reuse.num_blocks, address,
+                           self._call_timeout_s(), decision.reuse.holder or "", timeout_s=timeout_s)
         if not self._started:
             self.t.prefill_start = self.clock.now()
         try:
-            return self.dispatcher.prefill(decision.prefill_worker, call, params, self._on_cancel)
+            return self.dispatcher.prefill(decision.prefill_worker, call, self._on_cancel)
         except DispatchError:
             release()
             raise

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from clusterstate.workers import PrefillJobLoad, WorkerLoad
-from engine import CacheManager, HybridModel, SamplingParams, SequenceCache, sample
+from engine import CacheManager, HybridModel, SequenceCache, sample
 from kvstore.device import Snapshot
 from kvstore.hitrule import SnapshotPolicy, usable_length
 from kvstore.payload import BlockPayload, PayloadError, decode
@@ -43,6 +43,7 @@ from kvstore.transfer.frames import Kind
 from prefill_worker.blocks import payload_of_block, resume_from_blocks
 from prefill_worker.metrics import STAGES, PrefillMetrics
 from prefill_worker.transfers import TransferHub
+from runtime.calls import PrefillCall, PrefillResult
 from runtime.errors import Conflict, InvalidRequest, NoRoom
 
 log = logging.getLogger(__name__)
@@ -54,21 +55,6 @@ class Busy(NoRoom):
 
 class Cancelled(Exception):
     """The caller went away."""
-
-
-@dataclass(frozen=True)
-class PrefillJob:
-    request_id: str
-    token_ids: tuple[int, ...]
-    params: SamplingParams
-    block_keys: tuple[bytes, ...]
-    reuse_blocks: int
-    holder_rpc_address: str  # "" = own store
-    decode_address: str
-    deadline_s: float
-    grant: bytes = b""  # the Conductor's grant for pulling from the holder (runtime.auth.grant)
-    grant_expiry_ms: int = 0
-    holder_worker_id: str = ""  # the holder's id: the audience of the pull's PushBlocks call
 
 
 class StageClock:
@@ -112,14 +98,6 @@ class Reuse:
         return self.in_place[-1][1] if self.in_place else None
 
 
-@dataclass(frozen=True)
-class PrefillOutcome:
-    first_token: int
-    cached_tokens: int
-    prefill_s: float
-    loaded_tokens: int = 0  # of cached_tokens, those copied into pages (the rest reused in place)
-
-
 class PrefillRunner:
     def __init__(self, model: HybridModel, store: TieredStore, hub: TransferHub, cache: CacheManager,
                  snapshot_interval_blocks: int, metrics: PrefillMetrics | None = None):
@@ -158,30 +136,30 @@ class PrefillRunner:
         (demoted on demand)."""
         return self.cache.pool.num_free + self.store.num_evictable_device_blocks()
 
-    def run(self, job: PrefillJob, is_cancelled: Callable[[], bool]) -> PrefillOutcome:
+    def run(self, job: PrefillCall, is_cancelled: Callable[[], bool]) -> PrefillResult:
         bs = self.cache.block_size
         if len(job.block_keys) != len(job.token_ids) // bs:
             raise InvalidRequest(f"{len(job.block_keys)} block keys for {len(job.token_ids)} tokens "
                              f"(block_size {bs} makes {len(job.token_ids) // bs} full blocks)")
-        reused = min(job.reuse_blocks * bs, len(job.token_ids) - 1)
+        reused = min(job.num_reuse_blocks * bs, len(job.token_ids) - 1)
         with self._count_lock:
             if self.draining:
                 raise Busy("prefill worker is draining for shutdown")
-            if job.request_id in self._jobs:
-                raise Conflict(f"request {job.request_id} is already prefilling here")
+            if job.placement_id in self._jobs:
+                raise Conflict(f"request {job.placement_id} is already prefilling here")
             self._waiting += 1
-            self._jobs[job.request_id] = (len(job.token_ids) - reused, reused, None)
+            self._jobs[job.placement_id] = (len(job.token_ids) - reused, reused, None)
         clock = StageClock()
         try:
             with self._engine_lock:
                 clock.lap("queue")
                 with self._count_lock:
                     self._waiting -= 1
-                    self._jobs[job.request_id] = (len(job.token_ids) - reused, reused, time.perf_counter())
+                    self._jobs[job.placement_id] = (len(job.token_ids) - reused, reused, time.perf_counter())
                 return self._run_locked(job, is_cancelled, clock)
         finally:
             with self._count_lock:
-                self._jobs.pop(job.request_id, None)
+                self._jobs.pop(job.placement_id, None)
 
     def drain(self, timeout_s: float) -> None:
         """Refuses new prefills and waits (up to timeout_s) for the queued and running ones."""
@@ -203,7 +181,7 @@ class PrefillRunner:
             self.cache.check_integrity(self.store.device_pages())
 
     @torch.inference_mode()
-    def _run_locked(self, job: PrefillJob, is_cancelled: Callable[[], bool], clock: StageClock) -> PrefillOutcome:
+    def _run_locked(self, job: PrefillCall, is_cancelled: Callable[[], bool], clock: StageClock) -> PrefillResult:
         t0 = clock.last_lap_s  # the engine lock was taken: the prefill's stages start here
         reuse, seq, sender = Reuse(), None, None
         try:
@@ -211,10 +189,10 @@ class PrefillRunner:
             seq = self._reserve(job, reuse)
             cached = resume_from_blocks(self.model, self.cache, seq, len(reuse.in_place), reuse.in_place_snapshot,
                                         reuse.loaded)
-            sender = self.hub.sender(job.decode_address)
+            sender = self.hub.sender(job.decode_transfer_address)
             clock.lap("reuse")
             first = self._prefill_and_push(job, seq, cached, sender, is_cancelled, clock)
-            sender.finish(job.request_id, self.model.cfg.num_hidden_layers, timeout_s=job.deadline_s)
+            sender.finish(job.placement_id, self.model.cfg.num_hidden_layers, timeout_s=job.deadline_s)
             clock.lap("verdict")
             self._store_new_blocks(job, seq, len(reuse.in_place))
             clock.lap("store")
@@ -222,37 +200,37 @@ class PrefillRunner:
             self.metrics.prefilled(len(job.token_ids) - cached, cached, prefill_s)
             self.metrics.stages(clock.seconds)
             loaded = max(0, cached - len(reuse.in_place) * self.cache.block_size)
-            return PrefillOutcome(first, cached, prefill_s, loaded)
+            return PrefillResult(first, cached, prefill_s, loaded)
         except BaseException as e:
             if sender is not None:
                 # Wait until the decode worker has handled the ABORT (and every frame before it):
                 # the Conductor may retry this request id on the same connection right away.
-                sender.abort(job.request_id, f"prefill failed: {e}", wait_s=self.hub.config.connect_timeout_s)
+                sender.abort(job.placement_id, f"prefill failed: {e}", wait_s=self.hub.config.connect_timeout_s)
             raise
         finally:
             if seq is not None:
                 self.cache.release(seq)
             self.store.unpin(reuse.pinned)
 
-    def _reserve(self, job: PrefillJob, reuse: Reuse) -> SequenceCache:
+    def _reserve(self, job: PrefillCall, reuse: Reuse) -> SequenceCache:
         """The request's cache: the reused device pages shared, fresh pages for the rest; when
         the pool is short, unpinned device blocks are demoted to DRAM to free pages."""
         n = len(job.token_ids)
         shared = [page for page, _ in reuse.in_place]
-        seq = self.cache.try_reserve(job.request_id, n, shared_pages=shared)
+        seq = self.cache.try_reserve(job.placement_id, n, shared_pages=shared)
         if seq is None and self.store.free_device_pages(self.cache.pages_for(n) - len(shared)):
-            seq = self.cache.try_reserve(job.request_id, n, shared_pages=shared)
+            seq = self.cache.try_reserve(job.placement_id, n, shared_pages=shared)
         if seq is None:
             raise Busy(f"prefill cache full: {n} tokens need {self.cache.pages_for(n) - len(shared)} "
                        f"new pages, {self.cache.pool.num_free} free")
         return seq
 
     # ---- reuse --------------------------------------------------------------------------------
-    def _plan_reuse(self, job: PrefillJob, reuse: Reuse) -> None:
+    def _plan_reuse(self, job: PrefillCall, reuse: Reuse) -> None:
         """Fills ``reuse`` with the leading blocks to reuse, cut back to the deepest one with a
         KDA snapshot: first the run held in the device tier (pinned, reused in place), then
         blocks copied in from the holder worker or the own DRAM/SSD tiers."""
-        keys = list(job.block_keys[: job.reuse_blocks])
+        keys = list(job.block_keys[: job.num_reuse_blocks])
         if not keys:
             return
         if job.holder_rpc_address:
@@ -269,27 +247,27 @@ class PrefillRunner:
         del reuse.loaded[max(0, usable - len(reuse.in_place)):]
         del reuse.in_place[usable:]
         if reuse.num_blocks < len(keys):
-            log.info("request %s: reusing %d of %d planned blocks (%d in place)", job.request_id,
+            log.info("request %s: reusing %d of %d planned blocks (%d in place)", job.placement_id,
                      reuse.num_blocks, len(keys), len(reuse.in_place))
 
-    def _pull(self, job: PrefillJob, keys: list[bytes]) -> list[BlockPayload]:
+    def _pull(self, job: PrefillCall, keys: list[bytes]) -> list[BlockPayload]:
         """Blocks from the holder worker; they are kept here too. [] when the pull fails."""
         try:
-            blobs = self.hub.pull_blocks(f"{job.request_id}/pull", job.holder_rpc_address, keys, job.deadline_s,
-                                         job.request_id, job.grant, job.grant_expiry_ms, job.holder_worker_id)
+            blobs = self.hub.pull_blocks(f"{job.placement_id}/pull", job.holder_rpc_address, keys, job.deadline_s,
+                                         job.placement_id, job.grant, job.grant_expiry_ms, job.holder_worker)
             payloads = [decode(b, expected_fingerprint=self.model.fingerprint) for b in blobs]
         except (TransferError, PayloadError) as e:
             log.warning("request %s: pulling %d blocks from %s failed (%s); recomputing",
-                        job.request_id, len(keys), job.holder_rpc_address, e)
+                        job.placement_id, len(keys), job.holder_rpc_address, e)
             return []
         for key, payload in zip(keys, payloads, strict=True):
             self.store.put(key, payload)
         return payloads
 
     # ---- compute and push ---------------------------------------------------------------------
-    def _prefill_and_push(self, job: PrefillJob, seq: SequenceCache, cached: int, sender,
+    def _prefill_and_push(self, job: PrefillCall, seq: SequenceCache, cached: int, sender,
                           is_cancelled: Callable[[], bool], clock: StageClock) -> int:
-        cfg, rid = self.model.cfg, job.request_id
+        cfg, rid = self.model.cfg, job.placement_id
         mla_index = {layer: i for i, layer in enumerate(cfg.mla_layer_ids)}
         if cached:
             for layer, i in mla_index.items():
@@ -313,7 +291,7 @@ class PrefillRunner:
         logits = self.model.prefill(self.cache, seq, job.token_ids[cached:],
                                     snapshot_at=[p for p in points if p > cached], on_layer=on_layer)
         n = len(job.token_ids)
-        first = sample(logits, [job.params], [n])[0]
+        first = sample(logits, [job.sampling], [n])[0]
         clock.lap("compute")
         for i, layer in enumerate(cfg.kda_layer_ids):
             sender.send(rid, layer, Kind.KDA_STATE, (0, n), self.cache.slots.state[i, seq.slot].clone())
@@ -331,7 +309,7 @@ class PrefillRunner:
             hi = min(end, lo + step)
             sender.send(rid, layer, Kind.MLA_ROWS, (lo, hi), self.cache.rows(seq, mla_index, lo, hi))
 
-    def _store_new_blocks(self, job: PrefillJob, seq: SequenceCache, in_place: int) -> None:
+    def _store_new_blocks(self, job: PrefillCall, seq: SequenceCache, in_place: int) -> None:
         """Every full block not reused in place: kept in the device tier as the page it was
         computed (or loaded) in; when the device tier cannot take it, copied to DRAM."""
         bs = self.cache.block_size

@@ -24,11 +24,11 @@ from kvstore.store import StoreConfig, StoreEvent, TieredStore
 from kvstore.transfer.base import FaultInjection, TransferConfig, TransferError
 from prefill_worker.config import PrefillConfig
 from prefill_worker.metrics import PrefillMetrics
-from prefill_worker.runner import Cancelled, PrefillJob, PrefillRunner
+from prefill_worker.runner import Cancelled, PrefillRunner
 from prefill_worker.transfers import TransferHub
 from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
-from proto.convert import block_event, sampling_from_proto
+from proto.convert import block_event, prefill_call_from_proto, prefill_result_to_proto
 from runtime.auth import AuthError, Need, WorkerCredential, check_grant, current_principal, refuse, worker_of
 from runtime.errors import Refusal
 from runtime.grpc_server import start_server
@@ -65,14 +65,7 @@ class PrefillService(igrpc.PrefillServicer):
         self.runner, self.hub, self.events, self.credential = runner, hub, events, credential
 
     def Prefill(self, request: ipb.PrefillRequest, context: grpc.ServicerContext) -> ipb.PrefillResponse:
-        job = PrefillJob(
-            request_id=request.request_id, token_ids=tuple(request.token_ids),
-            params=sampling_from_proto(request.sampling), block_keys=tuple(request.block_keys),
-            reuse_blocks=request.reuse.num_blocks, holder_rpc_address=request.reuse.holder_rpc_address,
-            decode_address=request.decode_transfer_address, deadline_s=request.deadline_s or 60.0,
-            grant=request.reuse.grant, grant_expiry_ms=request.reuse.grant_expiry_ms,
-            holder_worker_id=request.reuse.holder_worker_id,
-        )
+        job = prefill_call_from_proto(request, default_deadline_s=60.0)
         try:
             out = self.runner.run(job, lambda: not context.is_active())
         except Refusal as e:  # Busy is NoRoom; anything not typed is a bug of ours: UNKNOWN, not the caller's
@@ -81,9 +74,7 @@ class PrefillService(igrpc.PrefillServicer):
             context.abort(grpc.StatusCode.CANCELLED, str(e))
         except TransferError as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer to decode worker failed: {e}")
-        return ipb.PrefillResponse(first_token=out.first_token, cached_tokens=out.cached_tokens,
-                                   prefill_s=out.prefill_s, events=self.events.drain(),
-                                   loaded_tokens=out.loaded_tokens)
+        return prefill_result_to_proto(out, self.events.drain())
 
     def PushBlocks(self, request: ipb.PushBlocksRequest, context: grpc.ServicerContext) -> ipb.PushBlocksResponse:
         keys = list(request.block_keys)

@@ -1,7 +1,8 @@
 """Conversions between wire messages and in-process values used on both sides of an RPC.
 
 Each wire value has one in-process twin and one conversion each way, here: sampling
-parameters, block events, workers' registrations and loads. Nothing else converts them.
+parameters, block events, workers' registrations and loads, the prefill call and its result.
+Nothing else converts them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from kvstore.blocks import Tier
 from kvstore.index import BlockEvent
 from proto import inference_pb2 as pb
 from proto import internal_pb2 as ipb
+from runtime.calls import PrefillCall, PrefillResult
 
 
 def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
@@ -84,3 +86,30 @@ def load_from_proto(load: ipb.WorkerLoad) -> WorkerLoad:
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(max_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                              seed=p.seed, stop_token_ids=list(p.stop_token_ids))
+
+
+def prefill_call_to_proto(call: PrefillCall) -> ipb.PrefillRequest:
+    reuse = ipb.ReusePlan(num_blocks=call.num_reuse_blocks, holder_worker_id=call.holder_worker,
+                          holder_rpc_address=call.holder_rpc_address, keep=True, grant=call.grant,
+                          grant_expiry_ms=call.grant_expiry_ms)
+    return ipb.PrefillRequest(request_id=call.placement_id, token_ids=call.token_ids,
+                              sampling=sampling_to_proto(call.sampling), block_keys=call.block_keys, reuse=reuse,
+                              decode_transfer_address=call.decode_transfer_address, deadline_s=call.deadline_s)
+
+
+def prefill_call_from_proto(req: ipb.PrefillRequest, default_deadline_s: float) -> PrefillCall:
+    return PrefillCall(req.request_id, tuple(req.token_ids), sampling_from_proto(req.sampling), tuple(req.block_keys),
+                       req.reuse.num_blocks, req.decode_transfer_address, req.deadline_s or default_deadline_s,
+                       req.reuse.holder_worker_id, req.reuse.holder_rpc_address, req.reuse.grant,
+                       req.reuse.grant_expiry_ms)
+
+
+def prefill_result_to_proto(result: PrefillResult, events: list[ipb.BlockEvent]) -> ipb.PrefillResponse:
+    return ipb.PrefillResponse(first_token=result.first_token, cached_tokens=result.cached_tokens,
+                               prefill_s=result.prefill_s, events=events, loaded_tokens=result.loaded_tokens)
+
+
+def prefill_result_from_proto(worker_id: str, resp: ipb.PrefillResponse) -> PrefillResult:
+    """``ValueError`` for a malformed block event (a peer's broken contract)."""
+    return PrefillResult(resp.first_token, resp.cached_tokens, resp.prefill_s, resp.loaded_tokens,
+                         tuple(block_event_from_proto(worker_id, e) for e in resp.events))

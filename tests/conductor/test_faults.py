@@ -91,7 +91,7 @@ class ScriptedDispatcher:
         self.reserved_ever.append((decode_worker, request_id))
         return f"tcp://{decode_worker}"
 
-    def prefill(self, prefill_worker: str, call: PrefillCall, sampling: SamplingParams, on_cancel) -> PrefillResult:
+    def prefill(self, prefill_worker: str, call: PrefillCall, on_cancel) -> PrefillResult:
         self.prefills.append((prefill_worker, call))
         if self.on_prefill is not None and self.on_prefill(len(self.prefills) - 1):
             raise DispatchError(FailureKind.CANCELLED, prefill_worker, "prefill cancelled")
@@ -101,8 +101,8 @@ class ScriptedDispatcher:
             assert call.timeout_s < call.deadline_s, "a hung worker must be bounded before the deadline"
             self.clock.advance(call.timeout_s)
             raise DispatchError(FailureKind.STALLED, prefill_worker, "prefill unanswered; cancelled")
-        self._context[call.request_id] = list(call.token_ids)
-        return PrefillResult(next_token(list(call.token_ids)), 0, 0.001, ())
+        self._context[call.placement_id] = list(call.token_ids)
+        return PrefillResult(next_token(list(call.token_ids)), 0, 0.001)
 
     def decode(self, decode_worker: str, request_id: str, first_token: int, sampling: SamplingParams,
                num_prompt_tokens: int, deadline_s: float, on_cancel) -> Iterator[DecodeChunk]:

@@ -26,12 +26,14 @@ from engine.cache import PagePool
 from engine.sampler import SamplingParams
 from kvstore.blocks import Tier, chain_keys
 from kvstore.device import DeviceTier
+from kvstore.hitrule import usable_prefix
 from kvstore.payload import make_random_payload
 from kvstore.store import StoreConfig, TieredStore
 from kvstore.transfer.base import TransferConfig
 from kvstore.transfer.receiver import Receiver
-from prefill_worker.runner import PrefillJob, PrefillRunner
+from prefill_worker.runner import PrefillRunner
 from prefill_worker.transfers import TransferHub
+from runtime.calls import PrefillCall
 
 BS = 16
 SNAPSHOT_EVERY = 2
@@ -70,13 +72,14 @@ class PrefillDecodePair:
         rid = f"r{self._n}"
         keys = tuple(chain_keys(prompt, BS, self.model.fingerprint))
         reuse_cap = (len(prompt) - 1) // BS  # the last prompt token is always computed
-        planned = min(self.store.match(keys[:reuse_cap]).num_blocks, reuse_cap)
+        held = keys[:reuse_cap]
+        planned = usable_prefix([self.store.contains(k) for k in held], [self.store.has_snapshot(k) for k in held])
         seq = self.scheduler.try_reserve(rid, len(prompt) + max_tokens)
         assert seq is not None
         sc = self.scheduler.cache
         self.receiver.expect(rid, sink_for(sc, seq), expected_for(sc, len(prompt)), 30.0)
         params = SamplingParams(max_new_tokens=max_tokens)
-        out = self.runner.run(PrefillJob(rid, tuple(prompt), params, keys, planned, "", self.receiver.address, 30.0),
+        out = self.runner.run(PrefillCall(rid, tuple(prompt), params, keys, planned, self.receiver.address, 30.0),
                               lambda: False)
         self.receiver.wait_complete(rid, 30.0)
         tokens = [out.first_token]

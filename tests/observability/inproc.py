@@ -8,6 +8,7 @@ counts). Every component reports to one ``CollectorRegistry`` with its own ident
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import tempfile
 import threading
@@ -29,6 +30,7 @@ from conductor.validation import ValidRequest
 from costmodel.builtin import tiny_cpu_estimate
 from decode_worker.metrics import DecodeMetrics
 from decode_worker.scheduler import DecodeScheduler, Finished
+from decode_worker.server import FINISH
 from decode_worker.sink import expected_for, sink_for
 from engine.sampler import SamplingParams
 from kvstore.index import BlockEvent
@@ -37,7 +39,7 @@ from kvstore.store import StoreConfig, StoreEvent, TieredStore
 from kvstore.transfer.base import TransferConfig
 from kvstore.transfer.receiver import Receiver
 from prefill_worker.metrics import PrefillMetrics
-from prefill_worker.runner import Busy, PrefillJob, PrefillRunner
+from prefill_worker.runner import Busy, PrefillRunner
 from prefill_worker.transfers import TransferHub
 from proto import inference_pb2 as pb
 from proto import internal_pb2 as ipb
@@ -80,19 +82,16 @@ class InProcDispatcher:
         self.c.receiver.expect(request_id, sink_for(cache, seq), expected_for(cache, num_prompt_tokens), deadline_s)
         return self.c.receiver.address
 
-    def prefill(self, prefill_worker: str, call: PrefillCall, sampling: SamplingParams, on_cancel) -> PrefillResult:
+    def prefill(self, prefill_worker: str, call: PrefillCall, on_cancel) -> PrefillResult:
         if self.fail_next:
             self.fail_next = False
             raise DispatchError(FailureKind.INTERNAL, prefill_worker, "injected failure")
-        job = PrefillJob(call.request_id, call.token_ids, sampling, call.block_keys, call.num_reuse_blocks, "",
-                         call.decode_transfer_address, call.deadline_s)
         try:
-            out = self.c.runner.run(job, lambda: False)
+            out = self.c.runner.run(dataclasses.replace(call, holder_worker=""), lambda: False)
         except Busy as e:
             raise DispatchError(FailureKind.BUSY, prefill_worker, str(e)) from e
         self.c.heartbeat()
-        return PrefillResult(out.first_token, out.cached_tokens, out.prefill_s, tuple(self.c.drain_events()),
-                             out.loaded_tokens)
+        return dataclasses.replace(out, events=tuple(self.c.drain_events()))
 
     def decode(self, decode_worker: str, request_id: str, first_token: int, sampling: SamplingParams,
                num_prompt_tokens: int, deadline_s: float, on_cancel) -> Iterator[DecodeChunk]:
@@ -105,7 +104,7 @@ class InProcDispatcher:
             except queue.Empty as e:
                 raise DispatchError(FailureKind.DEADLINE, decode_worker, "no token within 30 s") from e
             if isinstance(item, Finished):
-                yield DecodeChunk((), item.reason)
+                yield DecodeChunk((), FINISH[item.reason])  # as the decode worker's server sends it
                 return
             yield DecodeChunk(tuple(item))
 
