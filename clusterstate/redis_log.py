@@ -54,12 +54,13 @@ from clusterstate.records import RecordError, StoreKeys
 from clusterstate.registry import WorkerEntry
 from kvstore.block_index import BlockHold
 from proto import state_pb2 as spb
-from proto.convert import load_from_proto, load_to_proto
+from proto.convert import block_event, load_from_proto, load_to_proto
 
 log = logging.getLogger(__name__)
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 KEY_BYTES = 16
 SNAPSHOT_LOCK_MS = 5_000  # one replica writes a snapshot at a time (released when written)
+REPUBLISH_EVENTS = 20_000  # block events per entry when a replica writes its state into a new log
 EPOCH_CHECK_S = 2.0  # how often an idle reader checks that the store still holds its log
 
 _APPEND = """
@@ -358,8 +359,10 @@ class RedisLog:
         epoch = reader.get(self._epoch_key).decode()
         gap, self._gap_at = self._gap_at, None
         if self.epoch is not None and epoch != self.epoch:
-            log.warning("the store lost its data (epoch %s, was %s): keeping this replica's state, reading the new "
-                        "log on top of it and writing a snapshot of the result", epoch, self.epoch)
+            log.warning("the store lost its data (epoch %s, was %s): keeping this replica's state, writing it into "
+                        "the new log, reading that on top of it and writing a snapshot of the result", epoch,
+                        self.epoch)
+            self._republish()
             self.position, self.seq = "0-0", 0
             self._since_snapshot = self.config.snapshot_every_entries  # the next quiet moment writes one
         else:
@@ -373,6 +376,24 @@ class RedisLog:
         with self._cond:
             self.epoch = epoch
             self._synced = True
+
+    def _republish(self) -> None:
+        """This replica's state as log entries (each registration at the time it was last
+        heard of, then its blocks), so that a replica reading the new log from its start finds
+        the cluster before any snapshot of it exists. Other replicas that republish too only
+        repeat the same changes."""
+        batch: list[dict[bytes, bytes]] = []
+        for worker, held in self.applier.state.export():
+            info = worker.info
+            batch.append(self.keys.entry_fields(entry(self.replica_id, worker.last_seen_s,
+                                                      registered=record_of(info, self.keys))))
+            events = [block_event(k, h.tier, h.has_snapshot) for k, h in held.items()]
+            for start in range(0, len(events), REPUBLISH_EVENTS):
+                blocks = spb.BlocksEntry(worker_id=info.worker_id, events=events[start:start + REPUBLISH_EVENTS])
+                batch.append(self.keys.entry_fields(entry(self.replica_id, worker.last_seen_s, blocks=blocks)))
+        for start in range(0, len(batch), 1000):
+            self._append_fields(batch[start:start + 1000])
+        log.info("wrote this replica's %d workers into the new log", sum(1 for _ in self.applier.state.export()))
 
     def _stored_snapshot(self, reader: redis.Redis, epoch: str) -> spb.StateSnapshot | None:
         fields = reader.hgetall(self._snapshot_key)
