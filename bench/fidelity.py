@@ -56,7 +56,7 @@ import numpy as np
 
 from bench.host_cpu import HostCPU, shares
 from conductor.config import ConductorConfig
-from costmodel import CostModels
+from costmodel import CostModels, load_models
 from costmodel.overheads import NO_OVERHEADS, ClusterOverheads
 from decode_worker.config import DecodeConfig
 from prefill_worker.config import PrefillConfig
@@ -269,7 +269,7 @@ def judge(work: Path, args: argparse.Namespace, reuse: bool) -> dict:
     calibration = work / "calibration.json"
     live, load = (kept_live(work) if reuse else
                   calibrate_and_run_live(transform, calibration, "smoke" if args.quick else "quick", work))
-    costs = CostModels.load(calibration)
+    costs = load_models(calibration)
     log("fitting and simulating")
     windows = {"first": first, "second": second}
     baseline = run_sim(transform, costs, NO_OVERHEADS)

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from conductor.config import ConductorConfig
-from costmodel import CostModels
+from costmodel import CostModels, load_models
 from decode_worker.config import DecodeConfig
 from prefill_worker.config import PrefillConfig
 from replay.sim.run import SimConfig, simulate
@@ -185,7 +185,7 @@ def main() -> None:
     p.add_argument("--plot", default="", help="write the oscillation plot (PNG) here")
     p.add_argument("--calibration", default="")
     args = p.parse_args()
-    costs = CostModels.load(args.calibration) if args.calibration else CostModels.analytic(**GPU_LIKE)
+    costs = load_models(args.calibration) if args.calibration else CostModels.analytic(**GPU_LIKE)
     decode_bound = CostModels.analytic(**{**GPU_LIKE, "decode_s_per_request": 0.004})
     with tempfile.TemporaryDirectory(prefix="tidekv-bench-sim-") as tmp:
         paths = {"synthetic_3993": TRACE}

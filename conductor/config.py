@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from conductor.admission import AdmissionConfig
+from conductor.routing_config import ADMISSION_MODES, RoutingConfig
 from conductor.validation import Limits
 from runtime.grpc_server import TlsFiles
 
-ADMISSION_MODES = ("predictive", "early", "none")
 MAX_METRICS_TENANTS = 50  # each allowed tenant multiplies the per-tenant series
 
 
@@ -64,30 +64,7 @@ def parse_tenant_slos(entries: tuple[str, ...]) -> tuple[tuple[str, SLO], ...]:
     return tuple(out)
 
 
-@dataclass(frozen=True)
-class RoutingConfig:
-    """What the policy factories read (``conductor.routing.register_policy``)."""
-
-    admission_mode: str = "predictive"
-    balancing_threshold: float = 1.5
-    hot_prefix_rate_per_s: float = 1.0
-    max_replicas: int = 2
-    cache_aware_abs_threshold: int = 4
-    cache_aware_rel_threshold: float = 1.5
-    kv_cost_overlap_weight: float = 1.0
-    kv_cost_temperature: float = 0.0
-    seed: int = 0
-    pull_from_peers: bool = True  # False: a worker reuses only its own prefix ("local cache-aware")
-
-    def __post_init__(self) -> None:
-        if self.admission_mode not in ADMISSION_MODES:
-            raise ValueError(f"admission_mode {self.admission_mode!r} is not one of {ADMISSION_MODES}")
-        if self.balancing_threshold < 1.0:
-            raise ValueError(f"balancing_threshold {self.balancing_threshold} < 1.0")
-        if self.max_replicas < 1 or self.hot_prefix_rate_per_s < 0:
-            raise ValueError(f"max_replicas {self.max_replicas} must be >= 1 and hot_prefix_rate_per_s >= 0")
-        if self.kv_cost_temperature < 0 or self.kv_cost_overlap_weight < 0:
-            raise ValueError("kv_cost_temperature and kv_cost_overlap_weight must be >= 0")
+R = RoutingConfig  # the routing defaults, written once there
 
 
 @dataclass(frozen=True)
@@ -140,18 +117,24 @@ class ConductorConfig:
     max_decode_migrations: int = field(default=2, metadata={
         "help": "times a request whose decode worker is lost mid-stream moves to another decode worker "
                 "(prefilling prompt + the tokens sent) before it fails"})
-    admission_mode: str = field(default="predictive", metadata={
+    admission_mode: str = field(default=R.admission_mode, metadata={
         "help": "mooncake decode admission: predictive (load when the request reaches decode), early "
                 "(load now), none", "choices": lambda: ADMISSION_MODES})
-    balancing_threshold: float = field(default=1.5, metadata={
+    balancing_threshold: float = field(default=R.balancing_threshold, metadata={
         "help": "mooncake: consider pulling a prefix when it is this many times longer than the local one"})
-    hot_prefix_rate_per_s: float = field(default=1.0, metadata={
+    hot_prefix_rate_per_s: float = field(default=R.hot_prefix_rate_per_s, metadata={
         "help": "mooncake: a prefix used more often than this is hot and may be replicated"})
-    max_replicas: int = field(default=2, metadata={"help": "most prefill workers holding one hot prefix"})
-    kv_cost_overlap_weight: float = field(default=1.0, metadata={"help": "kv_cost: weight of prefill blocks"})
-    kv_cost_temperature: float = field(default=0.0, metadata={"help": "kv_cost: softmax temperature (0: argmin)"})
-    policy_seed: int = field(default=0, metadata={"help": "seed of the random and sampled policies"})
-    pull_from_peers: bool = field(default=True, metadata={
+    max_replicas: int = field(default=R.max_replicas, metadata={"help": "most prefill workers holding one hot prefix"})
+    cache_aware_abs_threshold: int = field(default=R.cache_aware_abs_threshold, metadata={
+        "help": "cache_aware: balance load when the busiest worker has this many more requests than the idlest"})
+    cache_aware_rel_threshold: float = field(default=R.cache_aware_rel_threshold, metadata={
+        "help": "cache_aware: ... and this many times as many"})
+    kv_cost_overlap_weight: float = field(default=R.kv_cost_overlap_weight, metadata={
+        "help": "kv_cost: weight of prefill blocks"})
+    kv_cost_temperature: float = field(default=R.kv_cost_temperature, metadata={
+        "help": "kv_cost: softmax temperature (0: argmin)"})
+    policy_seed: int = field(default=R.seed, metadata={"help": "seed of the random and sampled policies"})
+    pull_from_peers: bool = field(default=R.pull_from_peers, metadata={
         "help": "let a prefill worker pull a deeper prefix from another worker (off: local reuse only)"})
     drain_timeout_s: float = field(default=30.0, metadata={"help": "SIGTERM: finish in-flight requests this long"})
     api_keys: str = field(default="", metadata={"help": "JSON file of API key digests and their tenants "
@@ -206,6 +189,8 @@ class ConductorConfig:
         return RoutingConfig(
             admission_mode=self.admission_mode, balancing_threshold=self.balancing_threshold,
             hot_prefix_rate_per_s=self.hot_prefix_rate_per_s, max_replicas=self.max_replicas,
+            cache_aware_abs_threshold=self.cache_aware_abs_threshold,
+            cache_aware_rel_threshold=self.cache_aware_rel_threshold,
             kv_cost_overlap_weight=self.kv_cost_overlap_weight, kv_cost_temperature=self.kv_cost_temperature,
             seed=self.policy_seed, pull_from_peers=self.pull_from_peers,
         )

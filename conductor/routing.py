@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from clusterstate.workers import PrefillJobLoad, WorkerRole
-from conductor.config import RoutingConfig
+from conductor.routing_config import RoutingConfig
 from kvstore.blocks import Tier
 
 if TYPE_CHECKING:

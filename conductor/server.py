@@ -43,7 +43,7 @@ from conductor.requests import LiveRequests
 from conductor.routing import PolicyContext, make_policy
 from conductor.shared_state import SharedState, open_state
 from conductor.validation import validate
-from costmodel import CalibrationError, CostModels
+from costmodel import CalibrationError, CostModels, load_models
 from costmodel.builtin import tiny_cpu_estimate
 from proto import inference_pb2 as pb
 from proto import internal_pb2 as ipb
@@ -63,7 +63,7 @@ def load_costs(config: ConductorConfig) -> CostModels:
     """The calibration named by the config, or the built-in estimate (with a warning).
     ``CalibrationError`` naming the file when it is missing, corrupt or of the wrong format."""
     if config.calibration:
-        costs = CostModels.load(config.calibration)
+        costs = load_models(config.calibration)
         log.info("cost models from %s (%s grid, model %s, %s, %d threads)", config.calibration, costs.info.grid,
                  costs.info.model_fingerprint[:12], costs.info.device, costs.info.torch_threads)
         return costs

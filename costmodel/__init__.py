@@ -2,7 +2,7 @@
 measurements of the real engine and transfer engine (``tidekv calibrate``) and saved as a
 versioned JSON file per (model fingerprint, device, torch threads).
 
-Public API: ``CostModels`` (predictions, ``analytic``, ``save``/``load``), ``CalibrationError``,
+Public API: ``CostModels`` (predictions, ``analytic``), ``save_models``/``load_models``, ``CalibrationError``,
 ``default_calibration_path``, ``LinkCost``, ``FitError``, ``CalibrationInfo``; and, loaded on
 first use because they import torch and the engine, ``calibrate`` and ``ensure_calibration``
 (``costmodel.calibrate``). Importing the package itself loads neither torch nor numpy.
@@ -18,6 +18,7 @@ from costmodel.model import (
     LinkCost,
     default_calibration_path,
 )
+from costmodel.storage import load_models, save_models
 
 _LAZY = {"calibrate": "costmodel.calibrate", "ensure_calibration": "costmodel.calibrate"}
 
@@ -32,5 +33,5 @@ def __getattr__(name: str):
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "CalibrationError", "CalibrationInfo", "CostModels", "FitError", "LinkCost",
-    "calibrate", "default_calibration_path", "ensure_calibration",
+    "calibrate", "default_calibration_path", "ensure_calibration", "load_models", "save_models",
 ]

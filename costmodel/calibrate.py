@@ -36,6 +36,7 @@ from costmodel.measure_engine import DecodeBench, PrefillBench
 from costmodel.measure_transfer import TransferBench
 from costmodel.model import BACKENDS, CalibrationInfo, CostModels, LinkCost, default_calibration_path
 from costmodel.progress import Progress
+from costmodel.storage import load_models, save_models
 from engine import DEFAULT_BLOCK_SIZE, HybridModel, load_model
 from kvstore.blocks import Tier
 
@@ -217,12 +218,12 @@ def ensure_calibration(
     loaded = load_model(model, device=device) if isinstance(model, str) else model
     path = default_calibration_path(data_dir, loaded.fingerprint, device, threads)
     if path.exists():
-        return CostModels.load(path, model_fingerprint=loaded.fingerprint, device=device, threads=threads)
+        return load_models(path, model_fingerprint=loaded.fingerprint, device=device, threads=threads)
     grid = grid or ("quick" if quick else "full")
     log(f"tidekv: no calibration for model {name} on {device} with {threads} torch threads; "
         f"measuring ({grid} grid) ...")
     models = calibrate(loaded, grid=grid, threads=threads, block_size=block_size,
                        snapshot_interval_blocks=snapshot_interval_blocks, model_name=name)
-    models.save(path)
+    save_models(models, path)
     log(f"tidekv: calibration saved to {path} ({models.info.wall_s:.0f} s)")
     return models

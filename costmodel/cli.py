@@ -12,6 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from costmodel.storage import save_models
+
 DEFAULT_DATA_DIR = "~/.cache/tidekv"
 
 
@@ -70,7 +72,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     models = calibrate(model, grid=grid, threads=threads, block_size=args.block_size,
                        snapshot_interval_blocks=args.snapshot_interval_blocks, backends=backends,
                        model_name=args.model)
-    models.save(out)
+    save_models(models, out)
     print(f"calibration written to {out} ({models.info.wall_s:.1f} s)")
     print(format_fit_errors(models))
     return 0

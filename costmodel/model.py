@@ -226,22 +226,6 @@ class CostModels:
             links={b: link for b in BACKENDS},
         )
 
-    def save(self, path: str | Path) -> None:
-        """Writes the versioned JSON form atomically (temp file + rename); creates parent dirs."""
-        from costmodel.storage import save
-
-        save(self, Path(path))
-
-    @classmethod
-    def load(cls, path: str | Path, *, model_fingerprint: str | None = None, device: str | None = None,
-             threads: int | None = None) -> CostModels:
-        """Reads a file written by ``save``; CalibrationError naming the path for a missing or
-        corrupt file, a wrong format/version, a bad field, or (when given) another model
-        fingerprint, device or thread count."""
-        from costmodel.storage import load
-
-        return load(Path(path), model_fingerprint=model_fingerprint, device=device, threads=threads)
-
 
 def default_calibration_path(data_dir: str | Path, model_fingerprint: str, device: str, threads: int) -> Path:
     """``<data_dir>/calibration/<fingerprint>-<device>-t<threads>.json`` (unsafe characters become _)."""

@@ -50,7 +50,9 @@ def to_json(models: CostModels) -> dict[str, Any]:
     }
 
 
-def save(models: CostModels, path: Path) -> None:
+def save_models(models: CostModels, path: str | Path) -> None:
+    """Writes the versioned JSON form atomically (temp file + rename); creates parent dirs."""
+    path = Path(path)
     text = json.dumps(to_json(models), indent=2, allow_nan=False) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -58,7 +60,12 @@ def save(models: CostModels, path: Path) -> None:
     os.replace(tmp, path)  # readers see the old file or the whole new one
 
 
-def load(path: Path, *, model_fingerprint: str | None, device: str | None, threads: int | None) -> CostModels:
+def load_models(path: str | Path, *, model_fingerprint: str | None = None, device: str | None = None,
+                threads: int | None = None) -> CostModels:
+    """Reads a file ``save_models`` wrote; CalibrationError naming the path for a missing or
+    corrupt file, a wrong format/version, a bad field, or (when given) another model
+    fingerprint, device or thread count."""
+    path = Path(path)
     try:
         text = path.read_text()
     except FileNotFoundError:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from conductor.config import ADMISSION_MODES, ConductorConfig
-from costmodel import CostModels
+from costmodel import CostModels, load_models
 from costmodel.overheads import ClusterOverheads
 from decode_worker.config import DecodeConfig
 from prefill_worker.config import PrefillConfig
@@ -61,7 +61,7 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
 
 def _costs(args: argparse.Namespace) -> CostModels:
     if args.calibration:
-        return CostModels.load(args.calibration)
+        return load_models(args.calibration)
     from costmodel.builtin import tiny_cpu_estimate
 
     print("simulate: no --calibration: using the built-in estimate for the tiny model on CPU", file=sys.stderr)

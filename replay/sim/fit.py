@@ -64,7 +64,7 @@ from pathlib import Path
 
 import numpy as np
 
-from costmodel import CostModels
+from costmodel import CostModels, load_models
 from costmodel.fit import nnls, prefill_features
 from costmodel.overheads import ClusterOverheads
 from replay.records import FINISHED, RequestRecord, read_records
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         lo, hi = int(start or 0), int(end) if end else None
         records = [r for r in records if r.index >= lo and (hi is None or r.index < hi)]
     try:
-        fit = fit_overheads(records, CostModels.load(args.calibration),
+        fit = fit_overheads(records, load_models(args.calibration),
                             source=f"fit on {args.report} requests {args.requests or 'all'}")
     except ValueError as e:
         print(f"replay.sim.fit: error: {e}", file=sys.stderr)

@@ -8,7 +8,6 @@ import math
 import pytest
 
 from clusterstate.workers import PrefillJobLoad
-from conductor.config import RoutingConfig
 from conductor.mooncake import queue_s, tbt_after_join
 from conductor.routing import (
     ClusterSnapshot,
@@ -23,6 +22,7 @@ from conductor.routing import (
     WorkerView,
     make_policy,
 )
+from conductor.routing_config import RoutingConfig
 from costmodel import CostModels
 from kvstore.blocks import Tier
 

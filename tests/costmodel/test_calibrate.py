@@ -14,7 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from costmodel import CalibrationError, CostModels, default_calibration_path, ensure_calibration
+from costmodel import (
+    CalibrationError,
+    default_calibration_path,
+    ensure_calibration,
+    load_models,
+)
 from costmodel.cli import _grid_name, add_calibrate_parser, run_calibrate
 from costmodel.grids import GRIDS
 from costmodel.measure_engine import DecodeBench, PrefillBench
@@ -73,7 +78,7 @@ def test_python_m_costmodel_writes_a_loadable_file(tmp_path, tiny):
                           cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "prefill" in proc.stderr and "held-out relative error" in proc.stdout
-    models = CostModels.load(out, model_fingerprint=tiny.fingerprint, device="cpu", threads=1)
+    models = load_models(out, model_fingerprint=tiny.fingerprint, device="cpu", threads=1)
     assert models.info.grid == "smoke" and models.info.model_name == "tiny"
     assert (models.kv_bytes_per_token, models.snapshot_bytes) == (2 * 160 * 4, 4 * (4 * 64 * 64 + 3 * 768) * 4)
     assert {"tcp", "shm"} <= set(models.links) and set(models.tier_reads) == {Tier.DRAM, Tier.SSD}

@@ -20,7 +20,7 @@ from costmodel import (
     LinkCost,
     default_calibration_path,
 )
-from costmodel.storage import to_json
+from costmodel.storage import load_models, save_models, to_json
 from kvstore.blocks import Tier
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -127,8 +127,8 @@ def test_package_import_loads_neither_torch_nor_numpy():
 def test_save_load_round_trip_is_equal(tmp_path, make):
     models = make()
     path = tmp_path / "sub" / "cal.json"
-    models.save(path)
-    assert CostModels.load(path) == models
+    save_models(models, path)
+    assert load_models(path) == models
     raw = json.loads(path.read_text())
     assert (raw["format"], raw["version"]) == ("tidekv-calibration", 1)
     assert not list(path.parent.glob(".*.tmp")), "the temporary file of the atomic write is left behind"
@@ -169,7 +169,7 @@ def test_corrupt_field_raises_calibration_error_naming_the_file(tmp_path, case):
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(raw))  # json writes NaN / Infinity literals, as a hand edit might
     with pytest.raises(CalibrationError) as err:
-        CostModels.load(path)
+        load_models(path)
     assert str(path) in str(err.value) and mentioned in str(err.value)
 
 
@@ -178,20 +178,20 @@ def test_truncated_or_non_object_file_raises_calibration_error(tmp_path, text):
     path = tmp_path / "cal.json"
     path.write_text(text)
     with pytest.raises(CalibrationError, match=str(path)):
-        CostModels.load(path)
+        load_models(path)
 
 
 def test_truncated_real_file_raises_calibration_error(tmp_path):
     path = tmp_path / "cal.json"
-    fitted().save(path)
+    save_models(fitted(), path)
     path.write_text(path.read_text()[: len(path.read_text()) // 2])
     with pytest.raises(CalibrationError, match="not valid JSON"):
-        CostModels.load(path)
+        load_models(path)
 
 
 def test_missing_file_raises_calibration_error(tmp_path):
     with pytest.raises(CalibrationError, match=str(tmp_path / "absent.json")):
-        CostModels.load(tmp_path / "absent.json")
+        load_models(tmp_path / "absent.json")
 
 
 @pytest.mark.parametrize("kwargs, got, want", [
@@ -201,14 +201,14 @@ def test_missing_file_raises_calibration_error(tmp_path):
 ])
 def test_setup_mismatch_names_both_values(tmp_path, kwargs, got, want):
     path = tmp_path / "cal.json"
-    fitted().save(path)
+    save_models(fitted(), path)
     with pytest.raises(CalibrationError) as err:
-        CostModels.load(path, **kwargs)
+        load_models(path, **kwargs)
     message = str(err.value)
     assert str(path) in message and got in message and want in message
 
 
 def test_matching_setup_loads(tmp_path):
     path = tmp_path / "cal.json"
-    fitted().save(path)
-    assert CostModels.load(path, model_fingerprint="fp-tiny", device="cpu", threads=1) == fitted()
+    save_models(fitted(), path)
+    assert load_models(path, model_fingerprint="fp-tiny", device="cpu", threads=1) == fitted()

@@ -15,7 +15,7 @@ import pytest
 
 import engine
 from conductor.client import Client
-from costmodel import CalibrationInfo, CostModels
+from costmodel import CalibrationInfo, load_models
 from costmodel.builtin import tiny_cpu_estimate
 from deploy.local import free_port
 from proto import internal_pb2 as ipb
@@ -39,7 +39,7 @@ def test_calibrate_writes_a_file_the_conductor_schedules_with(tmp_path, referenc
     done = tidekv("calibrate", "--model", "tiny", "--grid", "smoke", "--block-size", "16", "--out", str(out))
     assert done.returncode == 0, done.stderr
     assert "held-out relative error" in done.stdout
-    costs = CostModels.load(out, model_fingerprint=reference.fingerprint)
+    costs = load_models(out, model_fingerprint=reference.fingerprint)
     assert costs.prefill_s(256, 0) > 0 and costs.info.block_size == 16
     with make_cluster(1, 1, conductor_args=("--calibration", str(out))) as c:
         log = (c.data_dir / "logs" / "conductor.log").read_text()
