@@ -28,7 +28,7 @@ ITL_BATCH_TOKENS = 16  # token intervals handed to the metrics at once (and at t
 
 
 @dataclass
-class Timeline:
+class StreamTimes:
     arrival: float
     routed: float = 0.0
     prefill_start: float = 0.0
@@ -42,7 +42,7 @@ class ClientStream:
                  slos: SLOTable, clock: Clock):
         self.request_id, self.req, self.tokenizer, self.metrics, self.slos, self.clock = (
             request_id, req, tokenizer, metrics, slos, clock)
-        self.t = Timeline(clock.now())
+        self.t = StreamTimes(clock.now())
         self.tokens: list[int] = []  # every token sent, in order
         self.ended = False  # the outcome was reported (or the caller reports it)
         self.cached_tier = "unknown"  # where the first prefill's reused prefix came from

@@ -35,7 +35,7 @@ from costmodel.grids import GRIDS, CalibrationGrid
 from costmodel.measure_engine import DecodeBench, PrefillBench
 from costmodel.measure_transfer import TransferBench
 from costmodel.model import BACKENDS, CalibrationInfo, CostModels, LinkCost, default_calibration_path
-from costmodel.progress import Progress
+from costmodel.progress import CalibrationProgress
 from costmodel.storage import load_models, save_models
 from engine import DEFAULT_BLOCK_SIZE, HybridModel, load_model
 from kvstore.blocks import Tier
@@ -76,7 +76,7 @@ def calibrate(
     backends: Sequence[str] | None = None, model_name: str = "", stream: TextIO | None = None,
 ) -> CostModels:
     """Measures on ``grid`` ("quick", "full", "smoke" or a CalibrationGrid) and fits every model.
-    Progress goes to ``stream`` (stderr by default). ValueError for an unknown grid or backend."""
+    CalibrationProgress goes to ``stream`` (stderr by default). ValueError for an unknown grid or backend."""
     if isinstance(grid, str):
         if grid not in GRIDS:
             raise ValueError(f"unknown calibration grid {grid!r}; grids: {sorted(GRIDS)}")
@@ -139,7 +139,7 @@ def _median_samples(points: list[tuple[int, ...]], num_fit: int, repeats: int, l
     which the median drops, rather than every repetition of neighbouring ones."""
     times: dict[tuple[int, ...], list[float]] = {p: [] for p in points}
     rng = random.Random(len(points))
-    with Progress(label, len(points) * repeats, stream) as bar:
+    with CalibrationProgress(label, len(points) * repeats, stream) as bar:
         for _ in range(repeats):
             for point in rng.sample(points, len(points)):
                 times[point].append(measure(point))

@@ -13,8 +13,8 @@ from typing import TextIO
 _WIDTH = 24
 
 
-class Progress:
-    """``with Progress("prefill", 27) as bar: ... bar.advance()``."""
+class CalibrationProgress:
+    """``with CalibrationProgress("prefill", 27) as bar: ... bar.advance()``."""
 
     def __init__(self, label: str, total: int, stream: TextIO | None = None):
         self.label, self.total, self.done = label, max(total, 1), 0
@@ -22,7 +22,7 @@ class Progress:
         self._live = bool(getattr(self.stream, "isatty", lambda: False)())
         self._start = time.perf_counter()
 
-    def __enter__(self) -> Progress:
+    def __enter__(self) -> CalibrationProgress:
         if self._live:
             self._draw("\r")
         return self

@@ -36,7 +36,7 @@ from kvstore.payload import BlockPayload
 Snapshot = tuple[torch.Tensor, torch.Tensor]  # KDA (state, conv) after the block's last token
 
 
-class PagePool(Protocol):
+class PoolView(Protocol):
     """What the device tier needs from the engine's page pool (``engine.cache.PagePool``)."""
 
     kv: torch.Tensor
@@ -57,7 +57,7 @@ class DeviceTier:
     tier = Tier.DEVICE
 
     def __init__(
-        self, pool: PagePool, capacity_bytes: int, model_fingerprint: str, mla_layer_ids: Sequence[int],
+        self, pool: PoolView, capacity_bytes: int, model_fingerprint: str, mla_layer_ids: Sequence[int],
         kda_layer_ids: Sequence[int] = (),
     ) -> None:
         if len(mla_layer_ids) != pool.kv.shape[0]:

@@ -34,7 +34,7 @@ import grpc
 from conductor.client import Client, ResumableCall
 from proto import inference_pb2 as pb
 from replay.live_http import HttpSender, is_http
-from replay.progress import Progress
+from replay.progress import ReplayProgress
 from replay.records import CANCELLED, FAILED, FINISHED, REJECTED, RequestRecord
 from replay.report import write_report
 from replay.summary import Summary, summarize
@@ -124,7 +124,7 @@ OnMessage = Callable[[ReplayRequest, pb.GenerateResponse], None]
 class _Sender:
     """Streams requests over one client; tracks live calls so that ``stop`` can cancel them."""
 
-    def __init__(self, client: Client, t0: float, timeout_s: float, run_tag: str, progress: Progress,
+    def __init__(self, client: Client, t0: float, timeout_s: float, run_tag: str, progress: ReplayProgress,
                  on_message: OnMessage | None = None):
         self.client, self.t0, self.timeout_s, self.run_tag, self.progress = client, t0, timeout_s, run_tag, progress
         self.on_message = on_message
@@ -196,7 +196,7 @@ def _base_record(r: ReplayRequest, outcome: str, **kw: Any) -> RequestRecord:
 
 
 def _dispatch(sender: _Sender, requests: Sequence[ReplayRequest], pool: ThreadPoolExecutor,
-              progress: Progress, futures: list[Future | None]) -> None:
+              progress: ReplayProgress, futures: list[Future | None]) -> None:
     """Submits each request at its arrival time into ``futures`` (in place, so that an interrupt
     keeps what was sent); stops early, leaving None for the rest, when stopping."""
 
@@ -236,7 +236,7 @@ def run_live_replay(trace_requests: ScaledTrace | Sequence[ReplayRequest], endpo
     unmaterialised = next((r.request_id for r in requests if not r.prompt_ids), None)
     if unmaterialised is not None:
         raise ValueError(f"request {unmaterialised} has no prompt tokens: apply_transform(..., materialise=True)")
-    bar = Progress(len(requests), (progress_stream or sys.stderr) if progress else None)
+    bar = ReplayProgress(len(requests), (progress_stream or sys.stderr) if progress else None)
     if is_http(endpoint):  # the OpenAI HTTP front's base URL
         sender = HttpSender(endpoint, time.perf_counter(), timeout_s, uuid.uuid4().hex[:8], bar, api_key=api_key)
         client = sender

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from replay.progress import Progress
+from replay.progress import ReplayProgress
 from replay.records import CANCELLED, FAILED, FINISHED, REJECTED, RequestRecord
 from replay.transform import ReplayRequest
 
@@ -34,7 +34,7 @@ def _body(r: ReplayRequest, request_id: str, model: str) -> dict[str, Any]:
 
 
 class HttpSender:
-    def __init__(self, base_url: str, t0: float, timeout_s: float, run_tag: str, progress: Progress,
+    def __init__(self, base_url: str, t0: float, timeout_s: float, run_tag: str, progress: ReplayProgress,
                  model: str = "", api_key: str = ""):
         self.base_url, self.t0, self.timeout_s, self.run_tag, self.progress = (
             base_url.rstrip("/"), t0, timeout_s, run_tag, progress)

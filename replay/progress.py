@@ -17,7 +17,7 @@ from typing import TextIO
 from replay.records import CANCELLED, FAILED, FINISHED, REJECTED, RequestRecord
 
 
-class Progress:
+class ReplayProgress:
     def __init__(self, total: int, stream: TextIO | None, *, refresh_s: float = 0.1, log_every_s: float = 5.0):
         self.total = total
         self._stream = stream

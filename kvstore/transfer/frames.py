@@ -90,7 +90,7 @@ class Kind(enum.IntEnum):
     ACK = 32  # receiver consumed every data frame up to `seq` (cumulative)
     ERROR = 33  # receiver failed the request; body = utf-8 reason
     DONE = 34  # receiver holds the complete request
-    PLACE = 35  # answer to OPEN; body = packed placement.Placement, or empty for "use the ring"
+    PLACE = 35  # answer to OPEN; body = packed placement.PagePlacement, or empty for "use the ring"
     SYNCED = 36  # answer to SYNC (same seq): every frame before it has been processed
 
     @property

@@ -2,7 +2,7 @@
 so a same-host sender can write a chunk straight into the destination (the only copy) and the
 receiver can verify it in place. Frozen values, their wire form and segment arithmetic; no I/O.
 
-A ``Placement`` names byte ranges of ``Region``s, shared-memory files of the receiver (its fd
+A ``PagePlacement`` names byte ranges of ``Region``s, shared-memory files of the receiver (its fd
 number, inode and size; the sender opens ``/proc/<receiver pid>/fd/<fd>`` and checks the inode)::
 
     MLA rows of layer L, token t (B = rows_per_page):
@@ -117,7 +117,7 @@ class FlatPlacement:
 
 
 @dataclass(frozen=True)
-class Placement:
+class PagePlacement:
     """Every destination of one request that can be written directly; see the module docstring."""
 
     regions: tuple[Region, ...]
@@ -168,7 +168,7 @@ class Placement:
         return b"".join(parts)
 
     @classmethod
-    def unpack(cls, payload: bytes) -> Placement:
+    def unpack(cls, payload: bytes) -> PagePlacement:
         """Parse a packed placement; ``FrameError`` on anything malformed."""
         try:
             return _unpack(memoryview(payload))
@@ -176,7 +176,7 @@ class Placement:
             raise FrameError(f"malformed placement: {exc}") from exc
 
 
-def _unpack(view: memoryview) -> Placement:
+def _unpack(view: memoryview) -> PagePlacement:
     if len(view) > MAX_PLACEMENT_BYTES:
         raise ValueError(f"{len(view)} bytes, limit {MAX_PLACEMENT_BYTES}")
     magic, num_regions, num_offsets, num_flats = _HEAD.unpack_from(view, 0)
@@ -206,7 +206,7 @@ def _unpack(view: memoryview) -> Placement:
         rows = RowPlacement(region, tuple(offsets), pages, rpp, row_bytes, stride)
     elif len(view) != pos:
         raise ValueError(f"{len(view) - pos} trailing bytes")
-    placement = Placement(tuple(regions), rows, tuple(flats))
+    placement = PagePlacement(tuple(regions), rows, tuple(flats))
     placement.check()
     return placement
 
@@ -215,7 +215,7 @@ def _unpack(view: memoryview) -> Placement:
 class LocalPlacement:
     """The receiver's side of a placement: the placement plus a byte view of each region."""
 
-    placement: Placement
+    placement: PagePlacement
     views: tuple[memoryview, ...]
 
     def views_of(self, segments: list[Segment]) -> list[memoryview]:

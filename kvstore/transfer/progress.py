@@ -1,6 +1,6 @@
 """One request's receive progress and the rules a chunk must meet to fit its destination.
 
-``Progress`` is the mutable state the ``stream.RequestTable`` keeps per expected request (it
+``TransferProgress`` is the mutable state the ``stream.RequestTable`` keeps per expected request (it
 guards every instance with its condition); ``chunk_problem`` says why a chunk does not fit, and
 ``describe_missing`` what has not arrived. Pure functions over that state; no locks here.
 
@@ -27,7 +27,7 @@ KDA_PARTS = frozenset({Kind.KDA_STATE, Kind.KDA_CONV})
 
 
 @dataclass
-class Progress:
+class TransferProgress:
     """Mutable state of one request; guarded by the owning table's condition."""
 
     request_id: str
@@ -53,7 +53,7 @@ class Progress:
         return self.done_layers == self.expected.layers and len(self.blobs) == self.expected.num_blobs
 
 
-def chunk_problem(expected: Expected, progress: Progress, header: FrameHeader) -> str | None:
+def chunk_problem(expected: Expected, progress: TransferProgress, header: FrameHeader) -> str | None:
     """Why ``header``'s chunk does not fit the destination, or None when it does."""
     if header.kind == Kind.MLA_ROWS:
         return _mla_problem(expected, progress, header)
@@ -64,7 +64,7 @@ def chunk_problem(expected: Expected, progress: Progress, header: FrameHeader) -
     return f"{header.kind.name} is not a data kind"
 
 
-def _mla_problem(expected: Expected, progress: Progress, header: FrameHeader) -> str | None:
+def _mla_problem(expected: Expected, progress: TransferProgress, header: FrameHeader) -> str | None:
     layer, t0, t1 = header.layer, header.token_start, header.token_end
     if layer not in expected.mla_layers:
         return f"layer {layer} is not an expected MLA layer {sorted(expected.mla_layers)}"
@@ -82,7 +82,7 @@ def _mla_problem(expected: Expected, progress: Progress, header: FrameHeader) ->
     return None
 
 
-def _kda_problem(expected: Expected, progress: Progress, header: FrameHeader) -> str | None:
+def _kda_problem(expected: Expected, progress: TransferProgress, header: FrameHeader) -> str | None:
     if header.layer not in expected.kda_layers:
         return f"layer {header.layer} is not an expected KDA layer {sorted(expected.kda_layers)}"
     want_shape = expected.kda_state_shape if header.kind == Kind.KDA_STATE else expected.kda_conv_shape
@@ -96,7 +96,7 @@ def _kda_problem(expected: Expected, progress: Progress, header: FrameHeader) ->
     return None
 
 
-def _blob_problem(expected: Expected, progress: Progress, header: FrameHeader) -> str | None:
+def _blob_problem(expected: Expected, progress: TransferProgress, header: FrameHeader) -> str | None:
     if not 0 <= header.layer < expected.num_blobs:
         return f"blob index {header.layer} outside [0, {expected.num_blobs})"
     if header.dtype != DType.UINT8 or header.body_bytes > expected.max_blob_bytes:
@@ -117,7 +117,7 @@ def merge_interval(intervals: list[tuple[int, int]], new: tuple[int, int]) -> li
     return merged
 
 
-def describe_missing(progress: Progress, limit: int = 4) -> str:
+def describe_missing(progress: TransferProgress, limit: int = 4) -> str:
     """What has not arrived yet, e.g. ``layer 3 tokens [(0, 64)] of [0, 128); blob 1``."""
     exp = progress.expected
     items: list[str] = []

@@ -1,5 +1,5 @@
 """Shareable memory on the receiving side: which shared-memory file backs a CPU tensor, so a
-sink can describe its destination as a ``placement.Placement`` that a same-host sender writes
+sink can describe its destination as a ``placement.PagePlacement`` that a same-host sender writes
 into directly. Read-only lookups plus a small cache; imports torch (receiver side only).
 
 A tensor qualifies when its storage lies in a ``MAP_SHARED`` mapping of a file this process

@@ -41,7 +41,7 @@ from kvstore.transfer.auth import connection_factory, prove_to
 from kvstore.transfer.base import Address, Frame, LinkClosed, RecvLink, TransferConfig, TransferError
 from kvstore.transfer.direct import PeerRegions, copy_with_checksum
 from kvstore.transfer.frames import FLAG_DIRECT, HEADER_BYTES, FrameError, FrameHeader, Kind, control_header
-from kvstore.transfer.placement import Placement
+from kvstore.transfer.placement import PagePlacement
 from kvstore.transfer.ring import SHM_DIR, ShmRing
 from kvstore.transfer.tcp import StreamListener, serve_factory
 from kvstore.transfer.wire import FrameConnection, StreamRecvLink, StreamSendLink, land, seal
@@ -84,7 +84,7 @@ class ShmSendLink(StreamSendLink):
             await self.flush()
 
     def _try_direct(
-        self, header: FrameHeader, parts: Sequence[memoryview], corrupt: bool, placement: Placement
+        self, header: FrameHeader, parts: Sequence[memoryview], corrupt: bool, placement: PagePlacement
     ) -> bool:
         """Copy the body into its placement and queue its header; False if it has no place there."""
         segments = placement.segments(header.kind, header.layer, header.token_start, header.token_end)
@@ -125,7 +125,7 @@ class ShmSendLink(StreamSendLink):
             await self.conn.write(*parts)
         await asyncio.sleep(0)  # let the reply reader run (an ERROR revokes a placement)
 
-    async def _placement(self, request_id: str) -> Placement | None:
+    async def _placement(self, request_id: str) -> PagePlacement | None:
         """The request's placement, asking the receiver (OPEN) the first time."""
         state = self._placements.get(request_id, _UNASKED)
         if state is _UNASKED:
@@ -141,7 +141,7 @@ class ShmSendLink(StreamSendLink):
                 logger.warning("no PLACE for %r within %.3g s; using the ring", request_id, self._open_timeout_s)
                 self._placements[request_id] = None
             state = self._placements.get(request_id)
-        return state if isinstance(state, Placement) else None
+        return state if isinstance(state, PagePlacement) else None
 
     def _remember(self, request_id: str, state: object) -> None:
         self._placements[request_id] = state
@@ -177,7 +177,7 @@ class ShmSendLink(StreamSendLink):
         placement = None
         if payload:
             try:
-                placement = Placement.unpack(payload)
+                placement = PagePlacement.unpack(payload)
             except FrameError as exc:
                 logger.warning("request %r: unusable placement (%s); using the ring", request_id, exc)
         self._placements[request_id] = placement

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from kvstore.transfer.frames import Kind
-from kvstore.transfer.placement import FlatPlacement, LocalPlacement, Placement, Region, RowPlacement
+from kvstore.transfer.placement import FlatPlacement, LocalPlacement, PagePlacement, Region, RowPlacement
 from kvstore.transfer.regions import TensorRegion, region_of
 
 
@@ -136,7 +136,7 @@ class PagePoolSink:
                 if where is None:
                     return None
                 flats.append(FlatPlacement(kind, layer, where[0], where[1], tensor.numel() * tensor.element_size()))
-        return regions.local(Placement(tuple(regions.regions), rows, tuple(flats)))
+        return regions.local(PagePlacement(tuple(regions.regions), rows, tuple(flats)))
 
     def gather_rows(self, layer: int, token_start: int, token_end: int) -> torch.Tensor:
         """The rows of ``layer`` for [token_start, token_end) in token order (a copy; for checks)."""
@@ -187,5 +187,5 @@ class _RegionTable:
             self._views.append(found.view)
         return self.regions.index(found.region), found.offset
 
-    def local(self, placement: Placement) -> LocalPlacement:
+    def local(self, placement: PagePlacement) -> LocalPlacement:
         return LocalPlacement(placement, tuple(self._views))

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from kvstore.transfer.base import Expected, Sink, TransferError, TransferResult
 from kvstore.transfer.frames import FrameHeader, Kind
 from kvstore.transfer.placement import LocalPlacement
-from kvstore.transfer.progress import KDA_PARTS, Progress, chunk_problem, describe_missing, merge_interval
+from kvstore.transfer.progress import KDA_PARTS, TransferProgress, chunk_problem, describe_missing, merge_interval
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +48,14 @@ class RequestTable:
         self._on_fail = on_fail
         self._fence_timeout_s = fence_timeout_s
         self._cond = threading.Condition()
-        self._requests: dict[str, Progress] = {}
+        self._requests: dict[str, TransferProgress] = {}
 
     def add(self, request_id: str, sink: Sink, expected: Expected, deadline_s: float) -> None:
         with self._cond:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already expected")
             now = self._clock()
-            self._requests[request_id] = Progress(request_id, expected, sink, now, now + deadline_s)
+            self._requests[request_id] = TransferProgress(request_id, expected, sink, now, now + deadline_s)
 
     def __len__(self) -> int:
         with self._cond:
@@ -82,7 +82,7 @@ class RequestTable:
                 return None, reason
             return progress.placement, None
 
-    def _admit_locked(self, header: FrameHeader, conn_id: int) -> tuple[Progress | None, str | None]:
+    def _admit_locked(self, header: FrameHeader, conn_id: int) -> tuple[TransferProgress | None, str | None]:
         progress = self._requests.get(header.request_id)
         if progress is None:
             return None, f"request {header.request_id!r} is not expected by this receiver"
@@ -151,7 +151,7 @@ class RequestTable:
             if self._mark_chunk(progress, header):
                 self._cond.notify_all()  # waiters care about whole layers, not chunks
 
-    def _mark_chunk(self, progress: Progress, header: FrameHeader) -> bool:
+    def _mark_chunk(self, progress: TransferProgress, header: FrameHeader) -> bool:
         """Count the chunk; True when it completed a layer or blob."""
         exp, layer = progress.expected, header.layer
         if header.kind == Kind.MLA_ROWS:
@@ -238,14 +238,14 @@ class RequestTable:
                 progress.fenced = True
             self._cond.notify_all()
 
-    def _expire_locked(self, request_id: str, progress: Progress) -> None:
+    def _expire_locked(self, request_id: str, progress: TransferProgress) -> None:
         deadline_s = progress.deadline_at - progress.started_at
         self._fail_locked(
             progress,
             f"request {request_id!r} missed its deadline of {deadline_s:.3g} s; missing: {describe_missing(progress)}",
         )
 
-    def _fail_locked(self, progress: Progress, reason: str) -> None:
+    def _fail_locked(self, progress: TransferProgress, reason: str) -> None:
         progress.error = reason
         self._cond.notify_all()
         if progress.conn_id is not None and self._on_fail is not None:
@@ -256,7 +256,7 @@ class RequestTable:
     def wait_layer(self, request_id: str, layer: int, timeout_s: float | None) -> None:
         """Block until ``layer`` (or blob ``layer`` of a blob-only request) is in the destination."""
 
-        def ready(p: Progress) -> bool:
+        def ready(p: TransferProgress) -> bool:
             return layer in p.done_layers or (not p.expected.layers and layer in p.blobs)
 
         with self._cond:
@@ -294,7 +294,7 @@ class RequestTable:
             self._requests.pop(request_id, None)
             return progress.conn_id
 
-    def _wait_fenced(self, progress: Progress) -> None:
+    def _wait_fenced(self, progress: TransferProgress) -> None:
         """Wait (lock held) until no peer may write into the request's placement, at most
         ``fence_timeout_s``; then its memory may be reused."""
         until = self._clock() + self._fence_timeout_s
@@ -308,7 +308,7 @@ class RequestTable:
                 return
             self._cond.wait(until - now)
 
-    def _get(self, request_id: str) -> Progress:
+    def _get(self, request_id: str) -> TransferProgress:
         progress = self._requests.get(request_id)
         if progress is None:
             raise ValueError(f"request {request_id!r} is not expected (or already collected)")
@@ -317,8 +317,8 @@ class RequestTable:
     def _wait(
         self,
         request_id: str,
-        progress: Progress,
-        ready: Callable[[Progress], bool],
+        progress: TransferProgress,
+        ready: Callable[[TransferProgress], bool],
         timeout_s: float | None,
         what: str,
     ) -> None:

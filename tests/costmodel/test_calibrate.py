@@ -24,7 +24,7 @@ from costmodel.cli import _grid_name, add_calibrate_parser, run_calibrate
 from costmodel.grids import GRIDS
 from costmodel.measure_engine import DecodeBench, PrefillBench
 from costmodel.measure_transfer import TransferBench
-from costmodel.progress import Progress
+from costmodel.progress import CalibrationProgress
 from kvstore.blocks import Tier
 from tests.costmodel.test_fit import assert_monotone
 
@@ -137,7 +137,7 @@ def tiny_max_seq_len() -> int:
 
 def test_progress_writes_one_finished_line_off_a_terminal():
     stream = io.StringIO()
-    with Progress("prefill", 3, stream) as bar:
+    with CalibrationProgress("prefill", 3, stream) as bar:
         for _ in range(3):
             bar.advance()
     lines = stream.getvalue().splitlines()

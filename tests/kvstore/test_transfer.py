@@ -45,7 +45,7 @@ from kvstore.transfer.frames import (
     FrameHeader,
     unpack_header,
 )
-from kvstore.transfer.placement import FlatPlacement, Placement, Region, RowPlacement
+from kvstore.transfer.placement import FlatPlacement, PagePlacement, Region, RowPlacement
 from kvstore.transfer.ring import ShmRing
 from kvstore.transfer.stream import RequestTable
 from tests.kvstore.transfer_peer import (
@@ -408,18 +408,18 @@ def test_row_placement_segments_merge_adjacent_pages_and_stay_inside():
 
 def test_placement_round_trips_and_a_sender_refuses_one_beyond_its_region():
     rows = RowPlacement(0, ((3, 0), (7, 4096)), (1, 0, 2), 16, 256, 4096)
-    placement = Placement(
+    placement = PagePlacement(
         (Region(fd=5, inode=77, nbytes=3 * 4096 * 2), Region(6, 78, 1024)),
         rows,
         (FlatPlacement(Kind.KDA_STATE, 0, 1, 0, 512), FlatPlacement(Kind.KDA_CONV, 0, 1, 512, 512)),
     )
-    assert Placement.unpack(placement.pack()) == placement
+    assert PagePlacement.unpack(placement.pack()) == placement
     assert placement.segments(Kind.KDA_CONV, 0, 0, 96) == [(1, 512, 512)]
-    too_far = Placement((Region(5, 77, 4096),), rows)
+    too_far = PagePlacement((Region(5, 77, 4096),), rows)
     with pytest.raises(FrameError, match="beyond their region"):
-        Placement.unpack(too_far.pack())
+        PagePlacement.unpack(too_far.pack())
     with pytest.raises(FrameError, match="malformed placement"):
-        Placement.unpack(placement.pack()[:-3])
+        PagePlacement.unpack(placement.pack()[:-3])
 
 
 def test_a_failed_placed_request_is_forgotten_only_once_its_sender_is_fenced():

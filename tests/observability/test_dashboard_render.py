@@ -10,7 +10,7 @@ import time
 import matplotlib.pyplot as plt
 import pytest
 
-from observe.dashboard import draw, figure
+from observe.snapshots import draw, figure
 from observe.units import duration, si, unit_of
 
 T0 = 1_796_000_000.0  # an epoch second; the axis shows it as local clock time

@@ -169,10 +169,10 @@ def test_progress_never_shows_more_started_than_handed_over():
     from concurrent.futures import Future
 
     from replay.live import _dispatch
-    from replay.progress import Progress
+    from replay.progress import ReplayProgress
     from replay.records import RequestRecord
 
-    progress = Progress(3, None)
+    progress = ReplayProgress(3, None)
     lines: list[str] = []
 
     class InlinePool:  # runs each request on submit, as a free sender thread may
