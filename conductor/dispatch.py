@@ -3,12 +3,13 @@
 The lifecycle decides (``conductor.core``), then hands each step to a dispatcher: reserve on
 the decode worker, prefill (which pulls the planned prefix from its holder when the plan
 names one, and streams KV to the decode worker), decode, release. The live Conductor's
-dispatcher speaks gRPC (``conductor.grpc_dispatch``); the simulator's runs in-process. A
-step that fails raises ``DispatchError`` with a typed ``FailureKind``. What the lifecycle does
-about a failure is decided here by pure rules: ``should_retry`` (route a failed prefill again
-elsewhere), ``should_migrate`` (move a request whose decode worker was lost mid-stream) and
-``prefill_timeout_s`` (how long one prefill attempt may go unanswered before it counts as
-stalled).
+dispatcher speaks gRPC (``conductor.grpc_dispatch``). The simulator has no dispatcher: its
+event-driven workers (``replay.sim``) apply the decision and report through the same core
+transitions. A step that fails raises ``DispatchError`` with a typed ``FailureKind``. What
+the lifecycle does about a failure is decided here by pure rules: ``should_retry`` (route a
+failed prefill again elsewhere), ``should_migrate`` (move a request whose decode worker was
+lost mid-stream) and ``prefill_timeout_s`` (how long one prefill attempt may go unanswered
+before it counts as stalled).
 """
 
 from __future__ import annotations

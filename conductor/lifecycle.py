@@ -1,39 +1,14 @@
-"""One request's life in the Conductor (docs/architecture.md, steps 2-9): decide, then apply.
+"""One request's life in the Conductor: ``RequestLife.run`` asks the core for a decision
+(``ConductorCore.route``), applies it through a ``Dispatcher`` (reserve, prefill, decode),
+reports what it learns through the core's transitions, and yields the client's
+``GenerateResponse`` messages (through ``conductor.client_stream``).
 
-``RequestLife.run`` is a generator of ``GenerateResponse`` messages. It asks the core for a
-frozen decision (``ConductorCore.route``), then applies it through a ``Dispatcher``: reserve
-on the decode worker, prefill (which streams KV to the decode worker and returns the first
-token), then forward the decode worker's tokens. Faults, by the pure rules of
-``conductor.dispatch``:
-
-- A reservation or prefill that fails before its first token is routed again, away from the
-  workers involved, while ``should_retry`` allows (``max_attempts`` in all). A prefill
-  attempt unanswered past ``prefill_timeout_s`` (a hung worker) is cancelled as ``STALLED``.
-- A decode worker lost mid-stream (its stream breaks, ends without a finish, or the worker
-  fails the request) is replaced while ``should_migrate`` allows (``max_migrations``): the
-  request is routed again as prompt + the tokens already sent with max tokens reduced by
-  them, never back to a lost worker, reserved and prefilled like any request (reusing its
-  cached prefix); the prefill's first token is the next token, and the same client stream
-  goes on. Sampling is keyed by (seed, position) (``engine.sampler``) and the positions carry
-  on, so the continuation equals the uninterrupted run. The first message after a migration
-  names the new decode worker. With no decode worker left it ends FAILED with the reason.
-- The deadline is the request's ``deadline_s`` or the client's gRPC deadline, whichever is
-  sooner. A decision whose predicted TTFT is past it ends the call at once, and a step that
-  runs past it ends the call, with DEADLINE_EXCEEDED (a status, never a terminal message).
-
-It yields exactly one terminal message (finish reason set) unless it ends with a status:
-``Refused`` (routing refused before anything reached the client; the caller reports it) or
-``Aborted`` (DEADLINE_EXCEEDED once work began; reported here as ``failed``/``deadline``).
-Cancellation (client gone) cancels the in-flight worker calls and releases the reservation.
-Every path leaves the pending overlay (``finally``); a request placed again leaves it first
-and re-enters with its new decision. Time comes from the core's injected clock.
-
-Metrics (``conductor.metrics``, the one place outcomes are counted): each routing decision, prefill retry and
-migration here; through the request's ``ClientStream`` (``conductor.client_stream``, which
-also makes the messages) the first token (TTFT, queue time, prompt and cached tokens), every
-later token (inter-token latency) and exactly one outcome per request that is not
-``Refused``: the terminal message's, ``failed``/``deadline`` for an abort, or
-``cancelled``/``client_gone`` when the client left before it.
+It owns the request's placements (each retry and migration is one, with its own
+``placement_id``), its deadline (the request's or the client's, whichever is sooner) and
+cancellation; what to do about a failure is ``conductor.dispatch``'s pure rules. It yields
+exactly one terminal message, or ends with ``Refused`` (nothing reached the client; the
+caller reports it) or ``Aborted`` (DEADLINE_EXCEEDED once work began). Steps 2-9 of
+docs/architecture.md, "The request lifecycle", describe the behaviour.
 """
 
 from __future__ import annotations
@@ -131,7 +106,8 @@ class RequestLife:
         self._deadline_name = "the client's gRPC deadline" if by_client else "deadline_s"
         self.metrics: ConductorMetrics = metrics if metrics is not None else ConductorMetrics.disabled()
         self.out = ClientStream(client_request_id or request_id, req, tokenizer, self.metrics, core.slos, self.clock)
-        self.t, self.tokens = self.out.t, self.out.tokens  # read here, written by ``out``
+        # The timeline is shared: routed and prefill_start are written here, token times by ``out``.
+        self.t, self.tokens = self.out.t, self.out.tokens
         self._base = 0  # tokens sent before the current placement: its prompt is prompt + tokens[:base]
         self._num_resumed = len(req.resumed)  # sent by a Conductor that failed (GenerateRequest.resume)
         if req.resumed:  # placed like a migration: prompt + the tokens sent, the rest of max tokens

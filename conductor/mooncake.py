@@ -1,30 +1,10 @@
 """``mooncake``, the default policy: Mooncake's KVCache-centric scheduler (FAST'25, Algorithm 1)
 with prediction-based early rejection and hot-prefix replication.
 
-For every prefill worker ``w`` and each way it could get the prefix, predict the time to
-first token and take the minimum::
-
-    queue_s(w)    = sum over w's queued and running prefills of prefill_s(job) * slow(w) - elapsed
-    local option  : ttft = queue_s(w) + prefill_s(new = n - local, reused = local) * slow(w)
-    pull option   : ttft = queue_s(w) + pull_s(best prefix from its holder)
-                                      + prefill_s(new = n - best, reused = best) * slow(w)
-                    considered only when best > balancing_threshold * local and the prefix
-                    has fewer than max_replicas holders (the puller keeps a replica)
-
-(``n`` prompt tokens, ``local``/``best`` reusable tokens on ``w`` / anywhere, after the reuse
-cap; ``slow(w)``: how much slower than calibrated ``w`` has lately been, ``conductor.speed``.)
-Hot prefixes: when this request's leading block is asked for more often than
-``hot_prefix_rate_per_s`` and the chosen worker is a holder with work queued, the best pull
-option to a worker with a shorter queue replaces it (branch ``replicate``) if it still meets
-the TTFT SLO, so later requests for that prefix spread over two holders.
-
-The decode worker is the one with the lowest predicted time between tokens after this
-request joins. With ``admission_mode = "predictive"`` that is predicted for the moment the
-request reaches decode (``now + ttft``): requests this Conductor knows will have finished by
-then no longer count, requests still in prefill that will have joined do. ``"early"`` uses
-the load now (plain early rejection, which oscillates); ``"none"`` never rejects on TBT.
-A request whose predicted TTFT or TBT misses its SLO is rejected, with a retry hint from the
-predicted excess. All times come from the calibrated ``CostModels``.
+For every prefill worker the predicted TTFT of each way to get the prefix (its own, or pulled
+from the best holder), the minimum kept; the decode worker with the lowest predicted time
+between tokens once the request joins; a rejection with a retry hint when either misses its
+SLO. The formulas and the admission modes: docs/architecture.md, "The Mooncake scheduler".
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
-"""The Conductor: public ``Inference`` service, internal ``Registry`` service, as an embeddable
-service (``build(config)``, see ``runtime.service``) and as a process (``serve``).
+"""The Conductor process: the public ``Inference`` service and the internal ``Registry``
+service, embeddable (``build(config)``, a ``runtime.service.Service``) or run (``serve``).
 
-Generate = authenticate (an API key, ``conductor.apikeys``: the tenant comes from it; without
-``--api-keys`` only under a loud ``--insecure-no-auth``) -> parse (a malformed message or
-text that is not UTF-8 is INVALID_ARGUMENT, a message over ``--max-request-bytes`` is
-refused by gRPC unread) -> validate (INVALID_ARGUMENT naming the field) -> admission, weighted fair across tenants by
-their keys' limits (``conductor.admission``: RESOURCE_EXHAUSTED at once when the queue or the
-tenant's share is full; a queued request waits for a running slot until its deadline or
-``max_queue_wait_s``, whichever is sooner) -> ``RequestLife.run`` (route, reserve, prefill,
-decode through the gRPC dispatcher). The cluster state (registry and block index) is this
-Conductor's own by default, or followed from the log that replicas share in a store with
-``--index redis://...`` (``conductor.shared_state``); routing reads only the local copy. The
-cost models come from ``--calibration FILE``: a corrupt file, or one made for another model
-than the workers serve, is an error naming it, never a silent default. The Registry serves
-cluster members only (``runtime.auth``: Register and Workers need the cluster secret, a
-Heartbeat the worker instance's session key; a worker registers and reports only itself).
+This module only parses, authenticates, admits and maps typed refusals to gRPC statuses
+(with the reason and a retry hint in the trailers); a request's life is
+``conductor.lifecycle``'s, routing ``conductor.core``'s, the cluster state
+``conductor.cluster``'s. The steps and their statuses: docs/architecture.md, "The request
+lifecycle"; who may call what: "Who may call what".
 """
 
 from __future__ import annotations
@@ -42,7 +33,7 @@ from conductor.metrics import ConductorMetrics
 from conductor.requests import LiveRequests
 from conductor.routing import PolicyContext, make_policy
 from conductor.shared_state import SharedState, open_state
-from conductor.validation import validate
+from conductor.validation import ValidRequest, validate
 from costmodel import CalibrationError, CostModels, load_models
 from costmodel.builtin import tiny_cpu_estimate
 from proto import inference_pb2 as pb
@@ -144,33 +135,12 @@ class InferenceService:
             refuse(context, e, "Generate")
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext, key: ApiKey | None = None):
-        try:
-            valid = validate(request, self.cfg, self.tokenizer, self.limits)
-        except ValueError as e:
-            self.metrics.refused(request.tenant, "invalid", "invalid_argument")
-            REFUSALS.log(logging.INFO, "invalid", "request %s from %s refused: INVALID_ARGUMENT: %s",
-                         request.request_id or "(no id)", context.peer(), e)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if key is not None:  # the tenant, and so the cache salt, comes from the credential
-            try:
-                valid = dataclasses.replace(valid, tenant=key.tenant_for(request.tenant))
-            except AuthError as e:
-                refuse(context, e, f"Generate as tenant {request.tenant!r}")
+        valid = self._validate(request, context, key)
         client_left_s = context.time_remaining()
         deadline_s = min(valid.deadline_s, client_left_s if client_left_s is not None else math.inf)
         # Admission is shared by the key's tenant (its sub-tenants count as it), under its limits.
         share = (key.tenant, key.limits) if key is not None else (valid.tenant, TenantLimits())
-        refusal = self.admission.try_enter(min(deadline_s, self.config.max_queue_wait_s), *share)
-        if refusal is not None:
-            # The wait ends at the deadline or at --max-queue-wait-s, whichever is sooner.
-            late = deadline_s <= self.config.max_queue_wait_s and refusal.kind == "waited"
-            reason = "deadline" if late else "queue_full" if refusal.kind == "waited" else refusal.kind
-            self.metrics.refused(valid.tenant, "rejected", reason)
-            REFUSALS.log(logging.INFO, f"rejected:{reason}", "request %s rejected (%s): %s",
-                         request.request_id or "(no id)", reason, refusal)
-            context.set_trailing_metadata((("retry-after-s", "1"), ("reject-reason", reason)))
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          refusal.message + (" before the request's deadline" if late else ""))
+        self._admit(request, valid, deadline_s, share, context)
         claim = self.live.claim(valid.tenant, request.request_id, failover=request.failover or bool(valid.resumed))
         if claim is None:
             self.metrics.refused(valid.tenant, "rejected", "duplicate_id")
@@ -186,16 +156,51 @@ class InferenceService:
         try:
             yield from life.run()
         except Refused as e:
-            self.metrics.refused(valid.tenant, "rejected", e.reason)
-            REFUSALS.log(logging.INFO, f"rejected:{e.reason}", "request %s rejected (%s): %s", life.request_id,
-                         e.reason, e)
-            context.set_trailing_metadata((("retry-after-s", f"{e.retry_after_s:g}"), ("reject-reason", e.reason)))
-            context.abort(e.code, str(e))
+            self._refuse(valid.tenant, life.request_id, e.reason, str(e), e.code, f"{e.retry_after_s:g}", context)
         except Aborted as e:  # DEADLINE_EXCEEDED after work began; the lifecycle reported the outcome
             context.abort(e.code, str(e))
         finally:
             self.live.release(claim)
             self.admission.leave(share[0])
+
+    def _validate(self, request: pb.GenerateRequest, context: grpc.ServicerContext,
+                  key: ApiKey | None) -> ValidRequest:
+        """The request checked (INVALID_ARGUMENT naming the field), its tenant the credential's."""
+        try:
+            valid = validate(request, self.cfg, self.tokenizer, self.limits)
+        except ValueError as e:
+            self.metrics.refused(request.tenant, "invalid", "invalid_argument")
+            REFUSALS.log(logging.INFO, "invalid", "request %s from %s refused: INVALID_ARGUMENT: %s",
+                         request.request_id or "(no id)", context.peer(), e)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if key is None:
+            return valid
+        try:  # the tenant, and so the cache salt, comes from the credential
+            return dataclasses.replace(valid, tenant=key.tenant_for(request.tenant))
+        except AuthError as e:
+            refuse(context, e, f"Generate as tenant {request.tenant!r}")
+
+    def _admit(self, request: pb.GenerateRequest, valid: ValidRequest, deadline_s: float,
+               share: tuple[str, TenantLimits], context: grpc.ServicerContext) -> None:
+        """A running slot for the tenant's share, waited for until the deadline or
+        ``--max-queue-wait-s``, whichever is sooner; refused with the reason otherwise."""
+        refusal = self.admission.try_enter(min(deadline_s, self.config.max_queue_wait_s), *share)
+        if refusal is None:
+            return
+        late = deadline_s <= self.config.max_queue_wait_s and refusal.kind == "waited"
+        reason = "deadline" if late else "queue_full" if refusal.kind == "waited" else refusal.kind
+        self._refuse(valid.tenant, request.request_id or "(no id)", reason,
+                     refusal.message + (" before the request's deadline" if late else ""),
+                     grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.RESOURCE_EXHAUSTED, "1", context)
+
+    def _refuse(self, tenant: str, request_id: str, reason: str, message: str, code: grpc.StatusCode,
+                retry_after_s: str, context: grpc.ServicerContext) -> None:
+        """Counts, logs (throttled) and ends the call with ``code``, the reason and a retry hint
+        in its trailers (a client retries elsewhere or later by them)."""
+        self.metrics.refused(tenant, "rejected", reason)
+        REFUSALS.log(logging.INFO, f"rejected:{reason}", "request %s rejected (%s): %s", request_id, reason, message)
+        context.set_trailing_metadata((("retry-after-s", retry_after_s), ("reject-reason", reason)))
+        context.abort(code, message)
 
 
 class RegistryService(igrpc.RegistryServicer):
@@ -297,13 +302,19 @@ class Conductor(ServiceBase):
         self._closing.callback(self._running.stop, 0)
         self.metrics = start_metrics(config.host, config.metrics_port)
         self._closing.callback(self.metrics.stop)
+        self._closing.callback(follow_readiness(self._running, self.ready))
+        self._start_reaper(shared, cluster, core, dispatcher)
+
+    def _start_reaper(self, shared: SharedState, cluster: Cluster, core: ConductorCore,
+                      dispatcher: GrpcDispatcher) -> None:
+        """Every quarter of the lease: a worker that went silent (dead, or stopped) leaves the
+        registry's view and its in-flight calls are given up (within 1.25 leases), expired
+        records are purged, and silent replicas' requests leave the overlay."""
         stop = threading.Event()
 
         def reap() -> None:
-            # A quarter of the lease: a worker that went silent (dead, or stopped) leaves the
-            # registry's view, and its in-flight calls are given up, within 1.25 leases.
             alive = set(shared.state.alive_ids())
-            while not stop.wait(config.worker_ttl_s / 4):
+            while not stop.wait(self.config.worker_ttl_s / 4):
                 now_alive = set(shared.state.alive_ids())
                 lost = sorted(alive - now_alive)
                 alive = now_alive
@@ -317,7 +328,6 @@ class Conductor(ServiceBase):
 
         reaper = threading.Thread(target=reap, name="reaper", daemon=True)
         reaper.start()
-        self._closing.callback(follow_readiness(self._running, self.ready))
         self._closing.callback(reaper.join, 5)
         self._closing.callback(stop.set)
 
