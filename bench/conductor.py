@@ -230,49 +230,61 @@ def live(num_burst: int = 24) -> dict:
     """The burst's spread on 2 replicas against 1, and each replica's log delays (see the docstring)."""
     from conductor.client import Client
     from deploy.local import ClusterConfig, LocalCluster
-    from proto import internal_pb2_grpc as igrpc
 
     config = ClusterConfig(num_prefill=3, num_decode=1, num_conductors=2, policy="mooncake",
                            prefill_args=("--block-size", "16", "--num-pages", "512"),
                            decode_args=("--block-size", "16", "--num-pages", "2048"))
-    out: dict = {}
     with LocalCluster(config) as cluster:
         clients = [Client(a) for a in cluster.conductor_addresses]
+        try:
+            rounds = []
+            for r in range(3):  # alternating, a fresh set of prompts each time
+                one = burst(clients[:1], config.num_prefill, num_burst, 1000 * r)
+                two = burst(clients, config.num_prefill, num_burst, 1000 * r + 500)
+                rounds.append({"one_replica": one, "two_replicas": two})
+                time.sleep(1.0)  # let the workers' queues drain and heartbeats settle
+            delays = log_delays(cluster)
+        finally:
+            for c in clients:
+                c.close()
+    spreads = [(x["one_replica"]["spread"], x["two_replicas"]["spread"]) for x in rounds]
+    return {"burst_rounds": rounds,
+            "burst_median_spread": {"one_replica": statistics.median(a for a, _ in spreads),
+                                    "two_replicas": statistics.median(b for _, b in spreads)},
+            "burst_goal": "two_replicas spread within 1.5x of one_replica's",
+            "log_delay": delays}
 
-        def burst(split: bool, salt: int) -> dict:
-            prompts = [[(i * 131 + (salt + j) * 7919) % 250 + 1 for i in range(192)] for j in range(num_burst)]
-            with ThreadPoolExecutor(num_burst) as pool:
-                outs = list(pool.map(lambda j: clients[j % 2 if split else 0].generate(
-                    Client.request(prompts[j], 2)), range(num_burst)))
-            counts = Counter(o.prefill_worker for o in outs)
-            per_worker = [counts.get(f"prefill-{i}", 0) for i in range(config.num_prefill)]
-            return {"per_prefill_worker": per_worker,
-                    "spread": max(per_worker) / min(per_worker) if min(per_worker) else float("inf"),
-                    "all_finished": all(o.finish_reason == "length" for o in outs)}
 
-        rounds = []
-        for r in range(3):  # alternating, a fresh set of prompts each time
-            one, two = burst(False, 1000 * r), burst(True, 1000 * r + 500)
-            rounds.append({"one_replica": one, "two_replicas": two})
-            time.sleep(1.0)  # let the workers' queues drain and heartbeats settle
-        out["burst_rounds"] = rounds
-        spreads = [(x["one_replica"]["spread"], x["two_replicas"]["spread"]) for x in rounds]
-        out["burst_median_spread"] = {"one_replica": statistics.median(a for a, _ in spreads),
-                                      "two_replicas": statistics.median(b for _, b in spreads)}
-        out["burst_goal"] = "two_replicas spread within 1.5x of one_replica's"
-        delays = {}
-        for address in cluster.conductor_addresses:
-            ch = cluster.channel(address)
-            try:
-                st = igrpc.RegistryStub(ch).State(ipb.StateRequest(), timeout=5)
-                delays[address] = {"p50_ms": st.delay_p50_s * 1e3, "p99_ms": st.delay_p99_s * 1e3,
-                                   "entries": st.num_delays, "seq": st.seq}
-            finally:
-                ch.close()
-        out["log_delay"] = delays
-        for c in clients:
-            c.close()
-    return out
+def burst(clients: list, num_prefill: int, num_burst: int, salt: int) -> dict:
+    """``num_burst`` distinct prompts at once, dealt round-robin over ``clients``' Conductors:
+    how many each prefill worker got, and the largest over the smallest count."""
+    from conductor.client import Client
+
+    prompts = [[(i * 131 + (salt + j) * 7919) % 250 + 1 for i in range(192)] for j in range(num_burst)]
+    with ThreadPoolExecutor(num_burst) as pool:
+        outs = list(pool.map(lambda j: clients[j % len(clients)].generate(Client.request(prompts[j], 2)),
+                             range(num_burst)))
+    counts = Counter(o.prefill_worker for o in outs)
+    per_worker = [counts.get(f"prefill-{i}", 0) for i in range(num_prefill)]
+    return {"per_prefill_worker": per_worker,
+            "spread": max(per_worker) / min(per_worker) if min(per_worker) else float("inf"),
+            "all_finished": all(o.finish_reason == "length" for o in outs)}
+
+
+def log_delays(cluster) -> dict:
+    """Each replica's delay from an entry's append to its application (State RPC)."""
+    from proto import internal_pb2_grpc as igrpc
+
+    delays = {}
+    for address in cluster.conductor_addresses:
+        ch = cluster.channel(address)
+        try:
+            st = igrpc.RegistryStub(ch).State(ipb.StateRequest(), timeout=5)
+            delays[address] = {"p50_ms": st.delay_p50_s * 1e3, "p99_ms": st.delay_p99_s * 1e3,
+                               "entries": st.num_delays, "seq": st.seq}
+        finally:
+            ch.close()
+    return delays
 
 
 def _per_call_us(fn: Callable[[int], object], num_calls: int, repeats: int) -> dict:
@@ -316,8 +328,15 @@ def stream(num_tokens: int, repeats: int) -> dict:
     result = {"forward_per_token": _per_call_us(forward, num_tokens, repeats),
               "pending_generated_per_token": _per_call_us(lambda i: pending.generated("inflight-1", i + 1),
                                                           num_tokens, repeats)}
-    # The next decision's share: its overlay view rebuilds the jobs of every decode worker
-    # whose streams moved since the last one, here all of NUM_STREAMS streams by one token.
+    result[f"view_after_{NUM_STREAMS}_streams_moved_us"] = _view_after_streams_moved(core, keys, repeats)
+    return result
+
+
+def _view_after_streams_moved(core: ConductorCore, keys: tuple[bytes, ...], repeats: int) -> float:
+    """The next decision's share of a stream's cost: its overlay view rebuilds the jobs of
+    every decode worker whose streams moved since the last one, here all of NUM_STREAMS
+    streams by one token (median microseconds)."""
+    pending, clock = core.pending, core.clock
     for i in range(NUM_STREAMS):
         routed = core.route(RequestFacts(f"s{i}", NUM_IN_FLIGHT + i, (), 500, "", block_keys=keys[:8],
                                          num_prompt_tokens=8 * BLOCK + 1))
@@ -334,8 +353,7 @@ def stream(num_tokens: int, repeats: int) -> dict:
 
     view_s: list[float] = []
     _per_call_us(view_after_every_stream_moved, 100, repeats)
-    result[f"view_after_{NUM_STREAMS}_streams_moved_us"] = statistics.median(view_s) * 1e6
-    return result
+    return statistics.median(view_s) * 1e6
 
 
 def main() -> None:
