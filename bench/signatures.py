@@ -36,8 +36,6 @@ import sys
 import time
 from typing import Any
 
-from kvstore.index_memory import MemoryIndex
-
 from bench.conductor import BLOCK, FINGERPRINT, PROMPT, make_cluster, make_core, seed
 from conductor.core import RequestFacts
 from conductor.routing import RouteDecision
@@ -162,7 +160,7 @@ def spread(values: list[float]) -> dict[str, float]:
 
 def signature_cost(rounds: int, seconds: float) -> dict[str, Any]:
     keys = tuple(chain_keys(PROMPT, BLOCK, FINGERPRINT))
-    cluster = make_cluster(MemoryIndex(ttl_s=1e9))
+    cluster = make_cluster()
     seed(cluster, keys)
     core, seq = make_core(cluster, "mooncake", keys), [10_000]
     arms = {name: Arm(*how) for name, how in ARMS.items()}

@@ -23,7 +23,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from conductor.config import ConductorConfig
-from observe import dashboard, top
+from observe import snapshots, top
 from observe.grafana import panels_of
 from observe.prometheus import RULES_PATH, LocalPrometheus, PrometheusClient, scrape_config
 from runtime.metrics import DEFAULT_TENANT, OTHER_TENANT, Identity, disable, enable, start_metrics
@@ -155,7 +155,7 @@ def test_kv_moves_and_transfer_faults_are_counted(scraped) -> None:
 
 def test_dashboard_snapshot_draws_every_panel_with_data(scraped, tmp_path) -> None:
     promql.wait_until_all_pass(scraped.client, promql.queries(), timeout_s=10, at_s=scraped.at_s)
-    assert dashboard.main(["dashboard", "--snapshot", str(tmp_path), "--prometheus", scraped.client.url,
+    assert snapshots.main(["dashboard", "--snapshot", str(tmp_path), "--prometheus", scraped.client.url,
                            "--range", "120", "--step", "2"]) == 0
     panels = {name: panels_of(d) for name, d in promql.dashboards().items()}
     for name, expected in panels.items():
@@ -165,7 +165,7 @@ def test_dashboard_snapshot_draws_every_panel_with_data(scraped, tmp_path) -> No
             image = matplotlib.image.imread(png)
             inked = (image[..., :3].min(axis=-1) < 0.6).mean()  # darker than light grey: lines, bars, text
             assert image.shape[0] > 100 and inked > 0.01, f"{png.name}: nearly blank ({inked:.3%} inked)"
-    rendered = dashboard.snapshot(scraped.client.url, tmp_path / "again", range_s=120, step_s=2)
+    rendered = snapshots.snapshot(scraped.client.url, tmp_path / "again", range_s=120, step_s=2)
     empty = [f"{r.dashboard}/{r.title}" for r in rendered if not r.num_points]
     assert not empty, f"panels drawn without data: {empty}"
 
