@@ -2,13 +2,13 @@
 
 A simulation of 40 requests (3 prefill + 2 decode workers, shared prefixes, tenants; cold,
 local and pull decisions and rejections; three policies) is recorded at the core's seams:
-each routing decision with its request, each transition (``prefilled``, ``decoding``, ``generated``, ``finished``), each
-heartbeat and each batch of block events, with the pending overlay after every transition.
-The same sequence then drives the live side: ``conductor.cluster.Cluster`` fed the same
-registrations, heartbeats (as wire messages) and block events, and one real ``RequestLife``
-per request over a dispatcher that answers each call only when the recording reaches the
-simulator's answer. Every live decision must equal the simulator's, and the live pending
-overlay must equal the simulator's after every step."""
+each routing decision with its request, each transition (``prefilled``, ``decoding``,
+``generated``, ``finished``), each heartbeat and each batch of block events, with the
+pending overlay after every transition. The same sequence then drives the live side:
+``conductor.cluster.Cluster`` fed the same registrations, heartbeats (as wire messages) and
+block events, and one real ``RequestLife`` per request over a dispatcher that answers each
+call only when the recording reaches the simulator's answer. Every live decision must equal
+the simulator's, and the live pending overlay must equal the simulator's after every step."""
 
 from __future__ import annotations
 
