@@ -15,15 +15,20 @@ import torch
 import engine
 from clusterstate.state import ClusterState
 from clusterstate.workers import WorkerInfo, WorkerRole
+from costmodel import CostModels
 from engine.sampler import SamplingParams
 from kvstore.blocks import BlockKey, Tier, chain_keys
 from kvstore.hitrule import usable_prefix
 from kvstore.index import BlockEvent
 from kvstore.payload import make_random_payload
+from kvstore.sized import SizedBlob
 from kvstore.store import StoreConfig, TieredStore
 from kvstore.transfer.base import TransferConfig
+from prefill_worker.config import PrefillConfig
 from prefill_worker.runner import PrefillRunner, Reuse
 from prefill_worker.transfers import TransferHub
+from replay.sim.events import EventLoop
+from replay.sim.prefill import SimPrefill, SimPrefillJob
 from runtime.calls import PrefillCall
 
 BS = 16
@@ -101,3 +106,17 @@ def test_the_prefill_runner_reuses_what_the_hit_rule_allows(runner) -> None:
         reuse = Reuse()
         runner._plan_reuse(call, reuse)
         assert reuse.num_blocks == layout.expected, (layout, reuse.num_blocks)
+
+
+def test_the_simulated_prefill_worker_reuses_what_the_hit_rule_allows() -> None:
+    config = PrefillConfig(block_size=BS, device_bytes=1 << 30, dram_bytes=1 << 30, ssd_bytes=1 << 30)
+    costs = CostModels.analytic(prefill_s_per_token=1e-4, decode_base_s=0.01)
+    worker = SimPrefill("prefill-0", config, costs, ClusterState(ttl_s=1e9), EventLoop(), {}, on_done=lambda job: None)
+    for i, layout in enumerate(layouts(3, (Tier.DEVICE, Tier.DRAM, Tier.SSD))):
+        tokens, keys = prompt_keys(i, len(layout.tiers), "simulated")
+        for key, tier, snap in zip(keys, layout.tiers, layout.snapshots, strict=True):
+            if tier is not None:
+                worker.store.put(key, SizedBlob(1024, snap), snap, tier)
+        job = SimPrefillJob(f"r{i}", len(tokens), BS, keys, len(keys), None)
+        worker._reuse(job)
+        assert job.num_reused_tokens == layout.expected * BS, (layout, job.num_reused_tokens)
