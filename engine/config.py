@@ -9,6 +9,7 @@ identically from a seed. Reading and writing ``config.json`` per architecture li
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,29 +194,17 @@ def tiny_k2_config() -> ModelConfig:
     """The built-in K2-architecture model (DeepSeek-V3: MLA with decoupled RoPE, DeepSeek MoE):
     K2's choices (q_lora, YaRN with mscale 1/1 at factor 32, one shared expert, a dense first
     layer, scaling 2.827, rope_theta 50000) at a size that decodes fast on two CPU cores:
-    4 layers, hidden 256, 8 experts of 256, ~13M parameters, byte vocabulary."""
-    return ModelConfig(
-        vocab_size=8192,
-        hidden_size=256,
+    4 layers, hidden 256, 8 experts of 256, ~13M parameters, byte vocabulary: the tiny model's
+    sizes otherwise."""
+    return dataclasses.replace(
+        tiny_config(),
         num_hidden_layers=4,
-        intermediate_size=768,
-        num_attention_heads=4,
-        kv_lora_rank=128,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=32,
-        v_head_dim=32,
-        num_experts=8,
-        num_experts_per_token=2,
-        moe_intermediate_size=256,
         kda_num_heads=0,
         kda_head_dim=0,
         mla_layer_ids=(0, 1, 2, 3),
         kda_layer_ids=(),
         routed_scaling_factor=2.827,
         rms_norm_eps=1e-6,
-        max_seq_len=8192,
-        bos_token_id=256,
-        eos_token_id=257,
         name="tiny-k2",
         architecture=DEEPSEEK_V3,
         q_lora_rank=96,

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.grpc_server import TlsFiles
+from runtime.grpc_server import ServesConfig
 
 
 @dataclass(frozen=True)
-class FrontConfig:
+class FrontConfig(ServesConfig):
     conductor: str = field(default="", metadata={"help": "HOST:PORT of the Conductor's public gRPC endpoint, or "
                                                          "of its replicas comma-separated (required)"})
     host: str = field(default="127.0.0.1", metadata={"help": "address the HTTP server binds"})
@@ -72,16 +72,6 @@ class FrontConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
-
-    @property
-    def tls(self) -> TlsFiles:
-        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
-
-    @property
-    def advertised_host(self) -> str:
-        if self.advertise_host:
-            return self.advertise_host
-        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
 
     @property
     def conductors(self) -> list[str]:

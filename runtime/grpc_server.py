@@ -54,6 +54,28 @@ class TlsFiles:
         return grpc.ssl_channel_credentials(root_certificates=_read(self.ca, "tls_ca")) if self.ca else None
 
 
+class ServesConfig:
+    """What every serving process's config derives from its ``host``, ``advertise_host`` and
+    ``tls_cert``/``tls_key``/``tls_ca`` fields (a mixin of the frozen config dataclasses)."""
+
+    host: str
+    advertise_host: str
+    tls_cert: str
+    tls_key: str
+    tls_ca: str
+
+    @property
+    def advertised_host(self) -> str:
+        """The host other processes dial: --advertise-host, else --host (loopback for a wildcard)."""
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
+
+
 def _read(path: str, field: str) -> bytes:
     try:
         return Path(path).read_bytes()

@@ -179,7 +179,9 @@ class _Signing:
         return body, (*(metadata or ()), *sign(self.key, self.principal, method, self.audience, body))
 
 
-class _SignedUnaryUnary(grpc.UnaryUnaryMultiCallable):
+class _SignedCall:
+    """A multicallable over ``raw`` (which sends bytes) that signs each request's body."""
+
     def __init__(self, raw, method: str, serialize, signing: _Signing):
         self._raw, self._method, self._serialize, self._signing = raw, method, serialize, signing
 
@@ -188,6 +190,8 @@ class _SignedUnaryUnary(grpc.UnaryUnaryMultiCallable):
         body, md = self._signing(self._method, self._serialize, request, metadata)
         return self._raw(body, timeout, md, credentials, wait_for_ready, compression)
 
+
+class _SignedUnaryUnary(_SignedCall, grpc.UnaryUnaryMultiCallable):
     def with_call(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
                   compression=None):
         body, md = self._signing(self._method, self._serialize, request, metadata)
@@ -199,14 +203,8 @@ class _SignedUnaryUnary(grpc.UnaryUnaryMultiCallable):
         return self._raw.future(body, timeout, md, credentials, wait_for_ready, compression)
 
 
-class _SignedUnaryStream(grpc.UnaryStreamMultiCallable):
-    def __init__(self, raw, method: str, serialize, signing: _Signing):
-        self._raw, self._method, self._serialize, self._signing = raw, method, serialize, signing
-
-    def __call__(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
-                 compression=None):
-        body, md = self._signing(self._method, self._serialize, request, metadata)
-        return self._raw(body, timeout, md, credentials, wait_for_ready, compression)
+class _SignedUnaryStream(_SignedCall, grpc.UnaryStreamMultiCallable):
+    pass
 
 
 class _SignedChannel(grpc.Channel):

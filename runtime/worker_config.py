@@ -8,13 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine import DEFAULT_BLOCK_SIZE
-from runtime.grpc_server import TlsFiles
+from runtime.grpc_server import ServesConfig
 
 TRANSFER_BACKENDS = ("tcp", "shm", "ucx")
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class WorkerConfig(ServesConfig):
     conductor: str = field(default="", metadata={"help": "host:port of the Conductor, or of its replicas "
                                                          "comma-separated (required)"})
     model: str = field(default="tiny", metadata={"help": "'tiny' or a checkpoint directory"})
@@ -52,17 +52,6 @@ class WorkerConfig:
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s {self.drain_timeout_s} < 0")
         self.tls  # noqa: B018 - tls_cert without tls_key fails here, naming both
-
-    @property
-    def advertised_host(self) -> str:
-        """The host other processes dial: --advertise-host, else --host (loopback for a wildcard)."""
-        if self.advertise_host:
-            return self.advertise_host
-        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-
-    @property
-    def tls(self) -> TlsFiles:
-        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
     def require_conductor(self) -> None:
         if not self.conductor:
