@@ -52,7 +52,7 @@ class EventLoop:
 
     def run(self, until_s: float = float("inf"), keep_going: Callable[[], bool] = lambda: True) -> None:
         """Process events in order until none is left (or ``until_s``, or ``keep_going()`` is False)."""
-        heap = self._heap
+        heap, clock = self._heap, self.clock
         while keep_going():
             fed = self._next_fed
             if fed is not None and (not heap or fed[0] <= heap[0][0]):
@@ -66,6 +66,6 @@ class EventLoop:
                 heapq.heappop(heap)
             else:
                 return
-            self.clock.advance(t_s - self.now)
+            clock.advance(t_s - clock.now())
             self.num_events += 1
             fn(*args)

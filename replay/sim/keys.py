@@ -16,18 +16,34 @@ from kvstore.blocks import KEY_BYTES, ROOT_KEY
 
 
 class KeyCache:
-    """Memoised keys: a shared prefix is hashed once for the whole trace."""
+    """Memoised keys: a shared prefix is hashed once while it is in use. At most about
+    ``2 * max_keys`` are held, whatever the trace's length: two generations, the newer
+    taking every key used; when it fills it becomes the older and the older is forgotten,
+    so a key used in the last ``max_keys`` stays. (A key is a pure function of its chain:
+    forgetting one only costs hashing it again.)"""
 
-    def __init__(self) -> None:
-        self._keys: dict[tuple[bytes, int, int, str], bytes] = {}
+    def __init__(self, max_keys: int = 1 << 20) -> None:
+        if max_keys < 1:
+            raise ValueError(f"max_keys must be >= 1, got {max_keys}")
+        self.max_keys = max_keys
+        self._new: dict[tuple[bytes, int, int, str], bytes] = {}
+        self._old: dict[tuple[bytes, int, int, str], bytes] = {}
+
+    def __len__(self) -> int:
+        return len(self._new) + len(self._old)
 
     def key(self, parent: bytes, hash_id: int, sub_block: int, tenant: str) -> bytes:
         memo = (parent, hash_id, sub_block, tenant)
-        key = self._keys.get(memo)
+        key = self._new.get(memo)
         if key is None:
-            h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=b"tidekv-sim")
-            h.update(f"{hash_id}/{sub_block}/{tenant}".encode())
-            key = self._keys[memo] = h.digest()
+            key = self._old.get(memo)
+            if key is None:
+                h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=b"tidekv-sim")
+                h.update(f"{hash_id}/{sub_block}/{tenant}".encode())
+                key = h.digest()
+            self._new[memo] = key
+            if len(self._new) >= self.max_keys:
+                self._old, self._new = self._new, {}
         return key
 
     def chain(self, hash_ids: Sequence[int], num_full_blocks: int, blocks_per_trace_block: int,
@@ -36,8 +52,11 @@ class KeyCache:
         if num_full_blocks > len(hash_ids) * blocks_per_trace_block:
             raise ValueError(f"{num_full_blocks} blocks but only {len(hash_ids)} hash ids of "
                              f"{blocks_per_trace_block} blocks each")
-        out, parent = [], ROOT_KEY
+        out, parent, new, key = [], ROOT_KEY, self._new, self.key
         for j in range(num_full_blocks):
-            parent = self.key(parent, hash_ids[j // blocks_per_trace_block], j % blocks_per_trace_block, tenant)
+            hash_id, sub_block = hash_ids[j // blocks_per_trace_block], j % blocks_per_trace_block
+            known = new.get((parent, hash_id, sub_block, tenant))  # the common case, without a call
+            parent = known if known is not None else key(parent, hash_id, sub_block, tenant)
+            new = self._new  # key() may have started a new generation
             out.append(parent)
         return tuple(out)

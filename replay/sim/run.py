@@ -270,7 +270,8 @@ class Simulation:
         self.core.pending.finish(r.request_id, now)
         self._leave()
         ttft = life.first_s - r.arrival_s
-        times = (ttft, *(t - r.arrival_s for t in life.token_times_s))
+        arrival_s = r.arrival_s
+        times = (ttft, *[t - arrival_s for t in life.token_times_s])
         self._record(life, self._base(
             life, FINISHED, finish_reason="length", ttft_s=ttft, latency_s=max(now - r.arrival_s, times[-1]),
             queue_s=life.routed_s + self.config.overheads.dispatch_s - r.arrival_s, token_times_s=times,
