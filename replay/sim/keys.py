@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 from kvstore.blocks import KEY_BYTES, ROOT_KEY
 
+_HASHER = hashlib.blake2b(digest_size=KEY_BYTES, person=b"tidekv-sim")  # copied per key: cheaper than a new one
+
 
 class KeyCache:
     """Memoised keys: a shared prefix is hashed once while it is in use. At most about
@@ -38,7 +40,8 @@ class KeyCache:
         if key is None:
             key = self._old.get(memo)
             if key is None:
-                h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=b"tidekv-sim")
+                h = _HASHER.copy()
+                h.update(parent)
                 h.update(f"{hash_id}/{sub_block}/{tenant}".encode())
                 key = h.digest()
             self._new[memo] = key
