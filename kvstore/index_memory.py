@@ -63,6 +63,10 @@ class BlockHold:
         return 1 + 2 * int(self.tier) + int(self.has_snapshot)
 
 
+# Every holding there can be, made once (they are frozen values): an event takes its own.
+_HOLDS = {(tier, snapshot): BlockHold(tier, snapshot) for tier in Tier for snapshot in (False, True)}
+
+
 class MemoryIndex(GlobalIndex):
     """In-memory ``GlobalIndex``; ``ttl_s`` is the heartbeat lease, ``clock`` a monotonic clock (s)."""
 
@@ -83,12 +87,14 @@ class MemoryIndex(GlobalIndex):
         with self._lock:
             self._reap_locked()
             num_applied = 0
+            is_alive = self._registry.is_alive
             for event in events:
-                if not self._registry.is_alive(event.worker_id):
+                if not is_alive(event.worker_id):
                     continue
                 if event.kind is BlockEventKind.STORED:
                     assert event.tier is not None
-                    self._store_locked(event.worker_id, event.key, BlockHold(event.tier, event.has_snapshot))
+                    hold = _HOLDS.get((event.tier, event.has_snapshot)) or BlockHold(event.tier, event.has_snapshot)
+                    self._store_locked(event.worker_id, event.key, hold)
                 else:
                     self._drop_locked(event.worker_id, event.key)
                 num_applied += 1

@@ -30,7 +30,7 @@ from typing import Any
 
 from replay.columns import FloatColumn
 from replay.records import CANCELLED, FAILED, FINISHED, OUTCOMES, REJECTED, SCHEMA_VERSION, RequestRecord
-from replay.stats import LatencyStats, meets_slo, tbt_s, token_intervals
+from replay.stats import LatencyStats, meets_slo, tbt_of_intervals, token_intervals
 
 
 @dataclass(frozen=True)
@@ -142,10 +142,11 @@ class SummaryBuilder:
             self._decode.setdefault(r.decode_worker, Counter()).update(requests=1, output_tokens=r.num_output_tokens)
         if r.outcome != FINISHED:
             return
-        tbt = tbt_s(r.token_times_s)
+        gaps = token_intervals(r.token_times_s)
+        tbt = tbt_of_intervals(gaps)
         if tbt is not None:
             self._tbt.append(tbt)
-        self._itl.extend(token_intervals(r.token_times_s))
+        self._itl.extend(gaps)
         if r.ttft_s is not None:
             self._ttft.append(r.ttft_s)
         if r.latency_s is not None:

@@ -31,6 +31,7 @@ class SimCluster:
         self.prefill: dict[str, SimPrefill] = {}
         self.decode: dict[str, SimDecode] = {}
         self._loads: dict[str, WorkerLoad] = {}
+        self._entries: list[tuple[str, WorkerRole, str, str]] | None = None  # registry order, made once
         self.last_match: MatchSnapshot | None = None
 
     def add(self, worker: SimPrefill | SimDecode) -> None:
@@ -40,6 +41,7 @@ class SimCluster:
         self.index.register(WorkerInfo(worker.worker_id, role, f"sim://{worker.worker_id}",
                                        worker.config.num_pages, 0, 0))
         self._loads[worker.worker_id] = worker.load()
+        self._entries = None
 
     def start_heartbeats(self) -> None:
         """Staggered heartbeats: worker ``i`` of ``n`` beats at phase ``(i + 1) / n`` of the interval.
@@ -72,13 +74,16 @@ class SimCluster:
 
     # ---- ClusterView ----------------------------------------------------------------------------
     def registry_view(self, wall_now_s: float) -> tuple[RegistryEntry, ...]:
+        if self._entries is None:  # prefill workers then decode workers, each by id; addresses fixed
+            self._entries = [(wid, role, f"sim://{wid}", f"{workers[wid].backend}://{wid}"
+                              if role is WorkerRole.PREFILL else f"tcp://{wid}")
+                             for role, workers in ((WorkerRole.PREFILL, self.prefill), (WorkerRole.DECODE, self.decode))
+                             for wid in sorted(workers)]
         out = []
-        for role, workers in ((WorkerRole.PREFILL, self.prefill), (WorkerRole.DECODE, self.decode)):
-            for wid in sorted(workers):
-                load = self._loads[wid]
-                out.append(RegistryEntry(wid, role, f"sim://{wid}", f"{workers[wid].backend}://{wid}"
-                                         if role is WorkerRole.PREFILL else f"tcp://{wid}", load,
-                                         max(0.0, wall_now_s - load.timestamp_s)))
+        for wid, role, rpc_address, transfer_address in self._entries:
+            load = self._loads[wid]
+            out.append(RegistryEntry(wid, role, rpc_address, transfer_address, load,
+                                     max(0.0, wall_now_s - load.timestamp_s)))
         return tuple(out)
 
     def match(self, keys: Sequence[BlockKey]) -> MatchSnapshot | None:
