@@ -71,6 +71,8 @@ class Placement:
         self._slower = {t: tuple(s for s in self.tiers if s > t) for t in self.tiers}
         self._views = {t: EvictionView(b.ledger.sizes_bytes, self.pins.keys()) for t, b in self.tiers.items()}
         self._hit_target = next((t for t in self.tiers if t >= promote_to), None)  # where a hit moves up to
+        self._ledgers = {t: b.ledger for t, b in self.tiers.items()}
+        self._sized = {t for t, b in self.tiers.items() if isinstance(b, SizedTier)}  # the simulator's tiers
 
     def republish_ssd(self) -> None:
         """Adopt the valid blocks an SSD rescan finds (at startup), emitting "stored" for each."""
@@ -233,18 +235,18 @@ class Placement:
     def _insert(self, key: BlockKey, blob: Blob, tier: Tier) -> bool:
         """Place a block into ``tier`` (where it is not yet), making room; False if it cannot."""
         backend = self.tiers[tier]
-        if isinstance(backend, DeviceTier):
+        if tier in self._sized:
+            assert isinstance(blob, SizedBlob), f"a sized tier holds sizes, not {type(blob).__name__}"
+            if not self._make_room(tier, blob.size_bytes):
+                return False
+            backend.put(key, blob)
+        elif isinstance(backend, DeviceTier):
             payload = as_payload(blob)
             if not self._make_room(tier, backend.size_for(payload)):
                 return False
             while not backend.put(key, payload):  # the engine holds the other pages
                 if not self._make_room(tier, backend.ledger.free_bytes + 1):
                     return False
-        elif isinstance(backend, SizedTier):
-            assert isinstance(blob, SizedBlob), f"a sized tier holds sizes, not {type(blob).__name__}"
-            if not self._make_room(tier, blob.size_bytes):
-                return False
-            backend.put(key, blob)
         elif isinstance(backend, DramTier):
             data = as_bytes(blob)
             if not self._make_room(tier, len(data)):
@@ -266,8 +268,8 @@ class Placement:
         level deep per slower tier (device -> DRAM -> SSD -> dropped) and its events come out
         deepest first: the SSD's victim removed, DRAM's moved down, the device's moved down,
         then the new block stored. The victims are chosen once, from a view kept per tier."""
-        ledger = self.tiers[tier].ledger
-        deficit = need_bytes - ledger.free_bytes
+        ledger = self._ledgers[tier]
+        deficit = need_bytes - (ledger.capacity_bytes - ledger.used_bytes)  # ledger.free_bytes
         if deficit <= 0:
             return True
         if need_bytes > ledger.capacity_bytes:
@@ -281,8 +283,10 @@ class Placement:
             freed_bytes += sizes[victim]
         if freed_bytes < deficit:
             return False
+        metrics = self.metrics
         for victim in victims:
-            self.metrics.evicted(tier)
+            if metrics.enabled:
+                metrics.evicted(tier)
             self._demote(victim, tier)
         return True
 
@@ -295,7 +299,8 @@ class Placement:
                 if self._insert(key, blob, target):
                     self._detach(key, tier)
                     self.where[key] = target
-                    self.metrics.demoted(tier)
+                    if self.metrics.enabled:
+                        self.metrics.demoted(tier)
                     if logger.isEnabledFor(logging.DEBUG):  # the names cost more than the move
                         logger.debug("demoted %s from %s to %s", key.hex(), tier.name, target.name)
                     self._emit("moved", key, target)
