@@ -78,6 +78,7 @@ class MemoryIndex(GlobalIndex):
         self._slots: dict[str, int] = {}  # exactly the workers of _worker_blocks
         self._width = _MIN_WIDTH  # bytes in every row
         self._free_slots = list(range(self._width - 1, -1, -1))  # pop(): the last freed, else lowest unused
+        self._empty_matches: dict[str, WorkerMatch] = {}  # made once per worker; forgotten with its blocks
 
     @property
     def ttl_s(self) -> float:
@@ -180,8 +181,11 @@ class MemoryIndex(GlobalIndex):
     def _worker_match_locked(self, worker_id: str, matrix: bytes) -> WorkerMatch:
         """One worker's column of ``matrix`` up to its first 0: the contiguous held prefix."""
         slot = self._slots.get(worker_id)
-        if slot is None:
-            return WorkerMatch(worker_id, 0, 0, b"")
+        if slot is None:  # holds nothing: one frozen answer per worker (decode workers never hold)
+            empty = self._empty_matches.get(worker_id)
+            if empty is None:
+                empty = self._empty_matches[worker_id] = WorkerMatch(worker_id, 0, 0, b"")
+            return empty
         column = matrix[slot :: self._width]
         num_present = column.find(0)
         codes = column if num_present < 0 else column[:num_present]
@@ -225,6 +229,7 @@ class MemoryIndex(GlobalIndex):
             del self._rows[key]
 
     def _purge_blocks_locked(self, worker_id: str) -> None:
+        self._empty_matches.pop(worker_id, None)
         held = self._worker_blocks.pop(worker_id, None)
         if held is None:
             return
