@@ -166,10 +166,11 @@ class TiledTrace:
     """``copies`` back-to-back copies of a scaled trace, made one request at a time as
     ``requests`` is read (a run longer than any trace file, in the memory of one copy).
 
-    Copy ``i`` arrives ``i * period_s`` later (default: the base's last arrival + 1 s, so
-    copies do not overlap), has indexes ``i * num_in_trace + index`` and request ids named
-    after them, and hash ids shifted past every id of the base: copies share no prefix.
-    Only block-level requests (hash ids, no prompt tokens) can be tiled."""
+    Copy ``i`` arrives ``i * period_s`` later (more than the base's span of arrivals; by
+    default its last arrival + 1 s), so copies follow one another; it has indexes
+    ``i * num_in_trace + index``, request ids named after them, and hash ids shifted past every
+    id of the base: copies share no prefix. Only block-level requests (hash ids, no prompt
+    tokens) can be tiled."""
 
     base: ScaledTrace
     copies: int
@@ -178,10 +179,12 @@ class TiledTrace:
     def __post_init__(self) -> None:
         if self.copies < 1:
             raise ValueError(f"copies must be >= 1, got {self.copies}")
-        if self.period_s is not None and not self.period_s > 0:
-            raise ValueError(f"period_s must be > 0, got {self.period_s}")
         if any(r.prompt_ids or not r.hash_ids for r in self.base.requests):
             raise ValueError("only requests made of hash ids (materialise=False) can be tiled")
+        span_s = max(r.arrival_s for r in self.base.requests) - min(r.arrival_s for r in self.base.requests)
+        if self.period_s is not None and not self.period_s > span_s:
+            raise ValueError(f"period_s {self.period_s} must exceed the copy's span of arrivals, {span_s} s "
+                             "(copies arrive one after another)")
 
     @property
     def transform(self) -> TraceTransform:

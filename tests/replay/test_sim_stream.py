@@ -145,3 +145,10 @@ def test_the_key_cache_is_bounded_and_its_keys_do_not_depend_on_it() -> None:
         assert small.chain(ids, len(ids) * 2, 2, "acme") == big.chain(ids, len(ids) * 2, 2, "acme")
         assert len(small) <= 8
     assert small.chain((1, 2), 4, 2) != small.chain((1, 2), 4, 2, "acme")  # the tenant is in the key
+
+
+def test_tiled_copies_may_not_overlap() -> None:
+    base = shared_prefixes(10)  # arrivals 0 .. 0.9 s
+    with pytest.raises(ValueError, match="span"):
+        TiledTrace(base, 2, period_s=0.5)
+    assert [r.arrival_s for r in TiledTrace(base, 2).requests][10] == pytest.approx(1.9)  # default: last + 1 s
