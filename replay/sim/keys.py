@@ -24,7 +24,7 @@ class KeyCache:
     so a key used in the last ``max_keys`` stays. (A key is a pure function of its chain:
     forgetting one only costs hashing it again.)"""
 
-    def __init__(self, max_keys: int = 1 << 18) -> None:  # a few hundred bytes a key: at most ~100 MiB
+    def __init__(self, max_keys: int = 1 << 16) -> None:  # ~230 bytes a key: two generations, ~30 MiB
         if max_keys < 1:
             raise ValueError(f"max_keys must be >= 1, got {max_keys}")
         self.max_keys = max_keys
