@@ -1,3 +1,23 @@
+"""Block holdings per worker, matched against a key sequence (the cluster state's index;
+``clusterstate.state.ClusterState`` owns one, with the registry beside it).
+
+Owns ``worker_id -> {key: BlockHold}`` (what each worker holds; dropping a worker takes time
+proportional to its own blocks) and its mirror for matching, ``key -> row``. A worker that
+holds blocks has a *slot*, a column of every row: the byte ``row[slot]`` is 0 where the
+worker does not hold the key, else ``1 + 2 * tier + snapshot``. A match looks each key up
+once and cuts one column per worker out of the joined rows, so the per-block work is C (dict
+lookups, ``bytes`` slicing and ``translate``), never a Python object per block::
+
+    rows (width 4)   slot 0  1  2  3          matrix = b"".join(rows)
+    keys[0]               3  4  0  0          column of slot 1 = matrix[1::4] = 4 3 4
+    keys[1]               4  3  0  0          -> 3 blocks present; 4 = 1 + 2*DRAM + snapshot,
+    keys[2]               0  4  0  0             so the last snapshot ends block 2: usable 3
+    keys[3]               (no row: held by nobody, the scan stops here)
+
+The usable length is ``kvstore.hitrule``'s. Slots are reused once their worker holds
+nothing; rows widen (doubling) when a new slot does not fit. Not thread-safe: the owner locks.
+"""
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,6 +53,10 @@ class BlockHold:
         return cls(Tier(_TIER_OF_CODE[code]), bool(_SNAPSHOT_OF_CODE[code]))
 
 
+# Every holding there can be, made once (they are frozen values): an event takes its own.
+_HOLDS = {(tier, snapshot): BlockHold(tier, snapshot) for tier in Tier for snapshot in (False, True)}
+
+
 class BlockIndex:
     """Block holdings per worker; see the module docstring."""
 
@@ -42,12 +66,13 @@ class BlockIndex:
         self._slots: dict[str, int] = {}  # exactly the workers of _worker_blocks
         self._width = _MIN_WIDTH  # bytes in every row
         self._free_slots = list(range(self._width - 1, -1, -1))  # pop(): the last freed, else lowest unused
+        self._empty_matches: dict[str, WorkerMatch] = {}  # made once per worker; forgotten with it
 
     def apply(self, event: BlockEvent) -> None:
         """One worker's stored (or moved) or removed block."""
         if event.kind is BlockEventKind.STORED:
             assert event.tier is not None
-            self._store(event.worker_id, event.key, BlockHold(event.tier, event.has_snapshot))
+            self._store(event.worker_id, event.key, _HOLDS[(event.tier, event.has_snapshot)])
         else:
             self._drop(event.worker_id, event.key)
 
@@ -64,6 +89,7 @@ class BlockIndex:
 
     def drop_worker(self, worker_id: str) -> None:
         """Forget every block ``worker_id`` holds."""
+        self._empty_matches.pop(worker_id, None)
         held = self._worker_blocks.pop(worker_id, None)
         if held is None:
             return
@@ -103,8 +129,11 @@ class BlockIndex:
     def _worker_match(self, worker_id: str, matrix: bytes) -> WorkerMatch:
         """One worker's column of ``matrix`` up to its first 0: the contiguous held prefix."""
         slot = self._slots.get(worker_id)
-        if slot is None:
-            return WorkerMatch(worker_id, 0, 0, b"")
+        if slot is None:  # holds nothing: one frozen answer per worker (decode workers never hold)
+            empty = self._empty_matches.get(worker_id)
+            if empty is None:
+                empty = self._empty_matches[worker_id] = WorkerMatch(worker_id, 0, 0, b"")
+            return empty
         column = matrix[slot :: self._width]
         num_present = column.find(0)
         codes = column if num_present < 0 else column[:num_present]

@@ -15,6 +15,7 @@ sit in T2).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
@@ -50,12 +51,13 @@ def take_until(view: EvictionView, order: Iterable[BlockKey], need_bytes: int) -
     all candidates when they cannot."""
     victims: list[BlockKey] = []
     freed = 0
+    sizes, pinned = view.sizes_bytes, view.pinned
     for key in order:
         if freed >= need_bytes:
             break
-        if view.candidate(key):
+        if key in sizes and key not in pinned:  # view.candidate(key), inline: this runs per block evicted
             victims.append(key)
-            freed += view.sizes_bytes[key]
+            freed += sizes[key]
     return victims
 
 
@@ -87,17 +89,23 @@ class LruPolicy:
 
 class LfuPolicy:
     """Fewest accesses first (an insert counts as one); ties go to the least recent.
-    Frequency buckets keep each update O(1)."""
+    Frequency buckets keep each update O(1) but for the sorted list of the frequencies in use
+    (a bisect when a bucket appears or empties), so a choice never sorts."""
 
     name = "lfu"
 
     def __init__(self) -> None:
         self._freq: dict[BlockKey, int] = {}
         self._buckets: dict[int, OrderedDict[BlockKey, None]] = {}  # freq -> keys, oldest first
+        self._freqs: list[int] = []  # the keys of _buckets, ascending
 
     def _place(self, key: BlockKey, freq: int) -> None:
         self._freq[key] = freq
-        self._buckets.setdefault(freq, OrderedDict())[key] = None
+        bucket = self._buckets.get(freq)
+        if bucket is None:
+            bucket = self._buckets[freq] = OrderedDict()
+            bisect.insort(self._freqs, freq)
+        bucket[key] = None
 
     def _unplace(self, key: BlockKey) -> int:
         freq = self._freq.pop(key)
@@ -105,6 +113,7 @@ class LfuPolicy:
         del bucket[key]
         if not bucket:
             del self._buckets[freq]
+            del self._freqs[bisect.bisect_left(self._freqs, freq)]
         return freq
 
     def on_insert(self, key: BlockKey) -> None:
@@ -124,7 +133,7 @@ class LfuPolicy:
         return set(self._freq)
 
     def _order(self) -> Iterator[BlockKey]:
-        for freq in sorted(self._buckets):
+        for freq in self._freqs:  # a choice changes nothing, so the list is stable while this runs
             yield from self._buckets[freq]
 
     def select_victims(self, view: EvictionView, need_bytes: int) -> list[BlockKey]:

@@ -32,7 +32,7 @@ Blob = BlockPayload | bytes | bytearray | SizedBlob  # a payload, its encoded by
 Backend = DeviceTier | DramTier | SsdTier | SizedTier
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class StoreEvent:
     """A change to the store, for a worker to publish to the global index ("stored" and
     "moved" map to ``index.BlockEvent.stored``, "removed" to ``BlockEvent.removed``).
@@ -66,6 +66,13 @@ class Placement:
         self.where: dict[BlockKey, Tier] = {}
         self.pins: dict[BlockKey, int] = {}
         self._emit_event = on_event
+        # Per tier, made once: the slower tiers (demotion targets, fastest first) and the live
+        # eviction view (the ledger's size map and the pins' key view follow every change).
+        self._slower = {t: tuple(s for s in self.tiers if s > t) for t in self.tiers}
+        self._views = {t: EvictionView(b.ledger.sizes_bytes, self.pins.keys()) for t, b in self.tiers.items()}
+        self._hit_target = next((t for t in self.tiers if t >= promote_to), None)  # where a hit moves up to
+        self._ledgers = {t: b.ledger for t, b in self.tiers.items()}
+        self._sized = {t for t, b in self.tiers.items() if isinstance(b, SizedTier)}  # the simulator's tiers
 
     def republish_ssd(self) -> None:
         """Adopt the valid blocks an SSD rescan finds (at startup), emitting "stored" for each."""
@@ -181,8 +188,7 @@ class Placement:
         if not isinstance(device, DeviceTier):
             return False
         while device.num_free_pages < num_pages:
-            view = EvictionView(device.ledger.sizes_bytes, self.pins.keys())
-            victims = self.policies[Tier.DEVICE].select_victims(view, 1)
+            victims = self.policies[Tier.DEVICE].select_victims(self._views[Tier.DEVICE], 1)
             if not victims:
                 return False
             self.metrics.evicted(Tier.DEVICE)
@@ -209,7 +215,7 @@ class Placement:
         return blob
 
     def _promotion_target(self, tier: Tier) -> Tier | None:
-        target = next((t for t in self.tiers if t >= self.promote_to), None)
+        target = self._hit_target
         return target if target is not None and target < tier else None
 
     def _promote(self, key: BlockKey, blob: Blob, source: Tier, target: Tier) -> None:
@@ -229,18 +235,18 @@ class Placement:
     def _insert(self, key: BlockKey, blob: Blob, tier: Tier) -> bool:
         """Place a block into ``tier`` (where it is not yet), making room; False if it cannot."""
         backend = self.tiers[tier]
-        if isinstance(backend, DeviceTier):
+        if tier in self._sized:
+            assert isinstance(blob, SizedBlob), f"a sized tier holds sizes, not {type(blob).__name__}"
+            if not self._make_room(tier, blob.size_bytes):
+                return False
+            backend.put(key, blob)
+        elif isinstance(backend, DeviceTier):
             payload = as_payload(blob)
             if not self._make_room(tier, backend.size_for(payload)):
                 return False
             while not backend.put(key, payload):  # the engine holds the other pages
                 if not self._make_room(tier, backend.ledger.free_bytes + 1):
                     return False
-        elif isinstance(backend, SizedTier):
-            assert isinstance(blob, SizedBlob), f"a sized tier holds sizes, not {type(blob).__name__}"
-            if not self._make_room(tier, blob.size_bytes):
-                return False
-            backend.put(key, blob)
         elif isinstance(backend, DramTier):
             data = as_bytes(blob)
             if not self._make_room(tier, len(data)):
@@ -255,38 +261,52 @@ class Placement:
         return True
 
     def _make_room(self, tier: Tier, need_bytes: int) -> bool:
-        """Evict from ``tier`` until ``need_bytes`` fit; evicts nothing when that is impossible."""
-        ledger = self.tiers[tier].ledger
-        deficit = need_bytes - ledger.free_bytes
+        """Evict from ``tier`` until ``need_bytes`` fit; evicts nothing when that is impossible.
+
+        Each victim is demoted (``_demote``) before the next is taken, and a demotion makes
+        room in the slower tier the same way, so one insert into full tiers runs at most one
+        level deep per slower tier (device -> DRAM -> SSD -> dropped) and its events come out
+        deepest first: the SSD's victim removed, DRAM's moved down, the device's moved down,
+        then the new block stored. The victims are chosen once, from a view kept per tier."""
+        ledger = self._ledgers[tier]
+        deficit = need_bytes - (ledger.capacity_bytes - ledger.used_bytes)  # ledger.free_bytes
         if deficit <= 0:
             return True
         if need_bytes > ledger.capacity_bytes:
             return False
-        view = EvictionView(ledger.sizes_bytes, self.pins.keys())
-        victims = self.policies[tier].select_victims(view, deficit)
-        if any(not view.candidate(v) for v in victims):
-            raise AssertionError(f"{tier.name}: policy chose a pinned or absent victim")
-        if sum(ledger.sizes_bytes[v] for v in victims) < deficit:
-            return False
+        victims = self.policies[tier].select_victims(self._views[tier], deficit)
+        sizes, pins = ledger.sizes_bytes, self.pins
+        freed_bytes = 0
         for victim in victims:
-            self.metrics.evicted(tier)
+            if victim not in sizes or victim in pins:
+                raise AssertionError(f"{tier.name}: policy chose a pinned or absent victim")
+            freed_bytes += sizes[victim]
+        if freed_bytes < deficit:
+            return False
+        metrics = self.metrics
+        for victim in victims:
+            if metrics.enabled:
+                metrics.evicted(tier)
             self._demote(victim, tier)
         return True
 
     def _demote(self, key: BlockKey, tier: Tier) -> None:
         """Move an evicted block to the first slower tier that takes it, else drop it."""
-        slower = [t for t in self.tiers if t > tier]
+        slower = self._slower[tier]
         blob = self.tiers[tier].try_get(key) if slower else None
         if blob is not None:
             for target in slower:
                 if self._insert(key, blob, target):
                     self._detach(key, tier)
                     self.where[key] = target
-                    self.metrics.demoted(tier)
-                    logger.debug("demoted %s from %s to %s", key.hex(), tier.name, target.name)
+                    if self.metrics.enabled:
+                        self.metrics.demoted(tier)
+                    if logger.isEnabledFor(logging.DEBUG):  # the names cost more than the move
+                        logger.debug("demoted %s from %s to %s", key.hex(), tier.name, target.name)
                     self._emit("moved", key, target)
                     return
-        logger.debug("dropped %s from %s", key.hex(), tier.name)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("dropped %s from %s", key.hex(), tier.name)
         self.drop(key)
 
     def _detach(self, key: BlockKey, tier: Tier) -> None:

@@ -18,7 +18,7 @@ arrived (tokens of one stream message share its time), so ``token_times_s[0] == 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 SCHEMA_VERSION = 1
@@ -28,7 +28,7 @@ OUTCOMES = (FINISHED, REJECTED, FAILED, CANCELLED)
 SOURCES = ("live", "simulated")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RequestRecord:
     """What happened to one request. ``outcome`` is one of ``OUTCOMES``; ``finish_reason`` is
     ``stop``/``length`` for finished ones; ``status`` is the gRPC status name (``OK`` when the
@@ -80,15 +80,23 @@ class RequestRecord:
         """Replay-clock time of the request's end (its arrival when nothing was measured)."""
         return self.arrival_s + (self.latency_s or 0.0)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The fields by name, in declaration order (``token_times_s`` stays a tuple: no copies)."""
+        return {name: getattr(self, name) for name in _FIELD_NAMES}
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        return _ENCODER.encode(self.to_dict())
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RequestRecord:
-        known = {f.name for f in fields(cls)}
-        kw = {k: v for k, v in d.items() if k in known}
+        kw = {k: v for k, v in d.items() if k in _FIELD_SET}
         kw["token_times_s"] = tuple(kw.get("token_times_s", ()))
         return cls(**kw)
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(RequestRecord))
+_FIELD_SET = frozenset(_FIELD_NAMES)
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
 
 
 def write_records(path, records: list[RequestRecord] | tuple[RequestRecord, ...]) -> None:

@@ -6,8 +6,11 @@ A report directory holds::
     summary.json     Summary.to_dict() (replay.summary), with the trace transform and run settings
     *.png            replay.plots.PLOT_FILES
 
-``compare_summaries(a, b)`` puts two summaries side by side with ratios ``b / a``;
-``write_comparison`` writes ``compare.md``, ``compare.json`` and overlaid CDF plots.
+``write_report`` writes a run's records and summary at once; ``ReportWriter`` writes them as
+the run goes (``requests.jsonl`` in batches, the summary built as records pass, the same
+bytes), for a run too long to hold. ``compare_summaries(a, b)`` puts two summaries side by
+side with ratios ``b / a``; ``write_comparison`` writes ``compare.md``, ``compare.json`` and
+overlaid CDF plots.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from replay.records import RequestRecord, read_records, write_records
-from replay.summary import Summary
+from replay.summary import Summary, SummaryBuilder
 
 REQUESTS_FILE, SUMMARY_FILE = "requests.jsonl", "summary.json"
 
@@ -43,6 +47,54 @@ def write_report(out_dir: str | Path, records: Sequence[RequestRecord], summary:
 
         paths += plot_report(out, records)
     return paths
+
+
+class ReportWriter:
+    """A report directory written while its run goes: each record appended to
+    ``requests.jsonl`` (``batch_records`` lines a write) and to a ``SummaryBuilder``, then
+    ``finish`` writes ``summary.json``; the files are the bytes ``write_report`` writes for the
+    same records. Records must come in index order (``in_index_order``: a ``RecordSink`` of
+    ``replay.sim``); ValueError otherwise. No plots: they need every record at once
+    (``replay.plots.plot_report(out, read_records(...))``). Holds a batch of lines and the
+    summary's bounded state, whatever the run's length."""
+
+    in_index_order = True
+
+    def __init__(self, out_dir: str | Path, batch_records: int = 1024) -> None:
+        self.path = Path(out_dir)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.batch_records = batch_records
+        self._builder = SummaryBuilder()
+        self._lines: list[str] = []
+        self._last_index: int | None = None
+        self._file = (self.path / REQUESTS_FILE).open("w", encoding="utf-8")
+
+    def add(self, record: RequestRecord) -> None:
+        if self._last_index is not None and record.index <= self._last_index:
+            raise ValueError(f"{self.path / REQUESTS_FILE}: records must come in index order, got index "
+                             f"{record.index} after {self._last_index}")
+        self._last_index = record.index
+        self._lines.append(record.to_json())
+        self._builder.add(record)
+        if len(self._lines) >= self.batch_records:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._lines:
+            self._file.write("\n".join(self._lines) + "\n")
+            self._lines = []
+
+    def finish(self, *, trace: dict[str, Any] | None = None, run: dict[str, Any] | None = None) -> Summary:
+        """Writes the rest of the records and ``summary.json``; returns the summary."""
+        self._flush()
+        self._file.close()
+        summary = self._builder.finish(trace=trace, run=run)
+        (self.path / SUMMARY_FILE).write_text(json.dumps(summary.to_dict(), indent=2) + "\n", encoding="utf-8")
+        return summary
+
+    def close(self) -> None:
+        """Closes the records file (after a failed run: what was written stays)."""
+        self._file.close()
 
 
 def load_report(path: str | Path) -> Report:

@@ -26,7 +26,11 @@ def token_intervals(token_times_s: Sequence[float]) -> list[float]:
 
 def tbt_s(token_times_s: Sequence[float], tail_fraction: float = TBT_TAIL_FRACTION) -> float | None:
     """Mean of the longest ``ceil(tail_fraction * n)`` of the ``n`` intervals; None below 2 tokens."""
-    gaps = token_intervals(token_times_s)
+    return tbt_of_intervals(token_intervals(token_times_s), tail_fraction)
+
+
+def tbt_of_intervals(gaps: Sequence[float], tail_fraction: float = TBT_TAIL_FRACTION) -> float | None:
+    """``tbt_s`` of the token times these are the intervals of (for a caller that has them)."""
     if not gaps:
         return None
     k = max(1, math.ceil(round(tail_fraction * len(gaps), 9)))

@@ -1,8 +1,10 @@
 """``summary.json``: the one summary computation over ``RequestRecord``s, for live and simulated runs.
 
-``summarize(records, trace=..., run=...)`` is a pure function; ``Summary`` round-trips through
-``to_dict``/``from_dict`` and ``flatten`` gives the dotted numeric view that ``report compare``
-tabulates.
+``summarize(records, trace=..., run=...)`` is a pure function; ``SummaryBuilder`` is the same
+computation over records given one at a time (a run of any length in bounded memory: its
+latency columns spill to temporary files, ``replay.columns``, with the same figures).
+``Summary`` round-trips through ``to_dict``/``from_dict`` and ``flatten`` gives the dotted
+numeric view that ``report compare`` tabulates.
 
 Definitions (all times in seconds):
 - TTFT and latency over finished requests; TBT (Mooncake, ``stats.tbt_s``) and mean ITL per
@@ -30,8 +32,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from replay.columns import FloatColumn
 from replay.records import CANCELLED, FAILED, FINISHED, OUTCOMES, REJECTED, SCHEMA_VERSION, RequestRecord
-from replay.stats import LatencyStats, meets_slo, tbt_s, token_intervals
+from replay.stats import LatencyStats, meets_slo, tbt_of_intervals, token_intervals
 
 
 @dataclass(frozen=True)
@@ -109,51 +112,90 @@ class Summary:
         return out
 
 
-def _workers(records: Sequence[RequestRecord]) -> dict[str, dict[str, dict[str, int]]]:
-    prefill: dict[str, Counter] = {}
-    decode: dict[str, Counter] = {}
-    for r in records:
+class SummaryBuilder:
+    """The summary of records given one at a time, in the run's record order (by index), so a
+    run of any length is summarised in bounded memory: counters per outcome and per worker,
+    and a ``FloatColumn`` per latency (spilled to a temporary file past ``spill_values``
+    values, its figures still exact). ``summarize`` is this over a sequence; ``finish``
+    returns the ``Summary`` and closes the columns."""
+
+    def __init__(self, spill_values: int = 1 << 20, directory: str | None = None) -> None:
+        def col() -> FloatColumn:
+            return FloatColumn(spill_values=spill_values, directory=directory)
+
+        self._ttft, self._tbt, self._itl, self._latency, self._send_delay = col(), col(), col(), col(), col()
+        self._by_outcome: Counter = Counter()
+        self._sources: set[str] = set()
+        self._prefill: dict[str, Counter] = {}
+        self._decode: dict[str, Counter] = {}
+        self._duration: float | None = None
+        self._num_met = self._num_with_slo = self._prompt = self._cached = self._output = 0
+
+    def add(self, r: RequestRecord) -> None:
+        self._by_outcome[r.outcome] += 1
+        self._sources.add(r.source)
+        end_s = r.end_s
+        if self._duration is None or end_s > self._duration:  # max()'s rule: the first of equals
+            self._duration = end_s
+        self._send_delay.append(r.arrival_s - r.scheduled_s)
+        judged = r.ttft_slo_s is not None or r.tbt_slo_s is not None
+        self._num_with_slo += judged
         if r.prefill_worker:
-            c = prefill.setdefault(r.prefill_worker, Counter())
+            c = self._prefill.setdefault(r.prefill_worker, Counter())
             c.update(requests=1, prompt_tokens=r.prompt_tokens or r.prompt_len, cached_tokens=r.cached_tokens)
         if r.decode_worker:
-            decode.setdefault(r.decode_worker, Counter()).update(requests=1, output_tokens=r.num_output_tokens)
-    prefill_keys, decode_keys = ("requests", "prompt_tokens", "cached_tokens"), ("requests", "output_tokens")
-    return {"prefill": {w: {k: c[k] for k in prefill_keys} for w, c in sorted(prefill.items())},
-            "decode": {w: {k: c[k] for k in decode_keys} for w, c in sorted(decode.items())}}
+            self._decode.setdefault(r.decode_worker, Counter()).update(requests=1, output_tokens=r.num_output_tokens)
+        if r.outcome != FINISHED:
+            return
+        gaps = token_intervals(r.token_times_s)
+        tbt = tbt_of_intervals(gaps)
+        if tbt is not None:
+            self._tbt.append(tbt)
+        self._itl.extend(gaps)
+        if r.ttft_s is not None:
+            self._ttft.append(r.ttft_s)
+        if r.latency_s is not None:
+            self._latency.append(r.latency_s)
+        if judged:
+            self._num_met += meets_slo(r.ttft_s, tbt, r.ttft_slo_s, r.tbt_slo_s)
+        self._prompt += r.prompt_tokens or r.prompt_len
+        self._cached += r.cached_tokens
+        self._output += r.num_output_tokens
 
+    def _workers(self) -> dict[str, dict[str, dict[str, int]]]:
+        prefill_keys, decode_keys = ("requests", "prompt_tokens", "cached_tokens"), ("requests", "output_tokens")
+        return {"prefill": {w: {k: c[k] for k in prefill_keys} for w, c in sorted(self._prefill.items())},
+                "decode": {w: {k: c[k] for k in decode_keys} for w, c in sorted(self._decode.items())}}
 
-def _source(records: Sequence[RequestRecord]) -> str:
-    sources = {r.source for r in records}
-    return sources.pop() if len(sources) == 1 else "mixed"
+    def finish(self, *, trace: dict[str, Any] | None = None, run: dict[str, Any] | None = None) -> Summary:
+        by = self._by_outcome
+        assert set(by) <= set(OUTCOMES), by
+        total = sum(by.values())
+        duration = self._duration if self._duration is not None else 0.0
+        met, judged, finished = self._num_met, self._num_with_slo, by[FINISHED]
+        prompt, cached = self._prompt, self._cached
+        per_s = (lambda n: n / duration) if duration > 0 else (lambda n: 0.0)
+        sources = self._sources
+        columns = (self._ttft, self._tbt, self._itl, self._latency, self._send_delay)
+        ttft, tbt, itl, latency, send_delay = (c.stats() for c in columns)
+        for c in columns:
+            c.close()
+        return Summary(
+            schema_version=SCHEMA_VERSION, source=next(iter(sources)) if len(sources) == 1 else "mixed",
+            counts=Counts(total=total, finished=finished, rejected=by[REJECTED], failed=by[FAILED],
+                          cancelled=by[CANCELLED]),
+            duration_s=duration, ttft_s=ttft, tbt_s=tbt, itl_s=itl, latency_s=latency, send_delay_s=send_delay,
+            slo=SloStats(num_with_slo=judged, num_met=met, attainment=met / judged if judged else None,
+                         goodput_rps=per_s(met) if judged else None),
+            cache=CacheStats(prompt_tokens=prompt, cached_tokens=cached, ratio=cached / prompt if prompt else 0.0),
+            finished_rps=per_s(finished), output_tokens_per_s=per_s(self._output),
+            workers=self._workers(), trace=trace, run=dict(run or {}))
 
 
 def summarize(records: Sequence[RequestRecord], *, trace: dict[str, Any] | None = None,
               run: dict[str, Any] | None = None) -> Summary:
     """The summary of one run; ``trace`` is ``ScaledTrace.describe()``. Pure."""
-    by = Counter(r.outcome for r in records)
-    assert set(by) <= set(OUTCOMES), by
-    done = [r for r in records if r.outcome == FINISHED]
-    tbts = [t for t in (tbt_s(r.token_times_s) for r in done) if t is not None]
-    gaps = [g for r in done for g in token_intervals(r.token_times_s)]
-    duration = max((r.end_s for r in records), default=0.0)
-    judged = [r for r in records if r.ttft_slo_s is not None or r.tbt_slo_s is not None]
-    met = sum(meets_slo(r.ttft_s, tbt_s(r.token_times_s), r.ttft_slo_s, r.tbt_slo_s)
-              for r in judged if r.outcome == FINISHED)
-    prompt = sum(r.prompt_tokens or r.prompt_len for r in done)
-    cached = sum(r.cached_tokens for r in done)
-    per_s = (lambda n: n / duration) if duration > 0 else (lambda n: 0.0)
-    return Summary(
-        schema_version=SCHEMA_VERSION, source=_source(records),
-        counts=Counts(total=len(records), finished=by[FINISHED], rejected=by[REJECTED], failed=by[FAILED],
-                      cancelled=by[CANCELLED]),
-        duration_s=duration,
-        ttft_s=LatencyStats.of([r.ttft_s for r in done if r.ttft_s is not None]),
-        tbt_s=LatencyStats.of(tbts), itl_s=LatencyStats.of(gaps),
-        latency_s=LatencyStats.of([r.latency_s for r in done if r.latency_s is not None]),
-        send_delay_s=LatencyStats.of([r.arrival_s - r.scheduled_s for r in records]),
-        slo=SloStats(num_with_slo=len(judged), num_met=met, attainment=met / len(judged) if judged else None,
-                     goodput_rps=per_s(met) if judged else None),
-        cache=CacheStats(prompt_tokens=prompt, cached_tokens=cached, ratio=cached / prompt if prompt else 0.0),
-        finished_rps=per_s(len(done)), output_tokens_per_s=per_s(sum(r.num_output_tokens for r in done)),
-        workers=_workers(records), trace=trace, run=dict(run or {}))
+    builder = SummaryBuilder()
+    for r in records:
+        builder.add(r)
+    return builder.finish(trace=trace, run=run)

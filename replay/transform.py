@@ -24,8 +24,10 @@ Order of operations (each recorded in the transform):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -147,12 +149,74 @@ class ScaledTrace:
     num_prompts_cut: int  # prompts shortened by max_prompt_tokens
     num_outputs_clamped: int  # outputs moved into [1, max_output_tokens]
 
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
     def describe(self) -> dict[str, Any]:
         """The report's ``trace`` section: everything except the requests."""
         return {"source": self.source, "format": self.format, "num_in_trace": self.num_in_trace,
                 "num_selected": len(self.requests), "trace_offset_s": self.trace_offset_s,
                 "num_prompts_cut": self.num_prompts_cut, "num_outputs_clamped": self.num_outputs_clamped,
                 "transform": self.transform.to_dict()}
+
+
+@dataclass(frozen=True)
+class TiledTrace:
+    """``copies`` back-to-back copies of a scaled trace, made one request at a time as
+    ``requests`` is read (a run longer than any trace file, in the memory of one copy).
+
+    Copy ``i`` arrives ``i * period_s`` later (more than the base's span of arrivals; by
+    default its last arrival + 1 s), so copies follow one another; it has indexes
+    ``i * num_in_trace + index``, request ids named after them, and hash ids shifted past every
+    id of the base: copies share no prefix. Only block-level requests (hash ids, no prompt
+    tokens) can be tiled."""
+
+    base: ScaledTrace
+    copies: int
+    period_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.copies < 1:
+            raise ValueError(f"copies must be >= 1, got {self.copies}")
+        if any(r.prompt_ids or not r.hash_ids for r in self.base.requests):
+            raise ValueError("only requests made of hash ids (materialise=False) can be tiled")
+        span_s = max(r.arrival_s for r in self.base.requests) - min(r.arrival_s for r in self.base.requests)
+        if self.period_s is not None and not self.period_s > span_s:
+            raise ValueError(f"period_s {self.period_s} must exceed the copy's span of arrivals, {span_s} s "
+                             "(copies arrive one after another)")
+
+    @property
+    def transform(self) -> TraceTransform:
+        return self.base.transform
+
+    @property
+    def num_requests(self) -> int:
+        return self.base.num_requests * self.copies
+
+    @property
+    def effective_period_s(self) -> float:
+        if self.period_s is not None:
+            return self.period_s
+        return max(r.arrival_s for r in self.base.requests) + 1.0
+
+    @property
+    def requests(self) -> Iterator[ReplayRequest]:
+        """A fresh iterator over every copy's requests, in arrival order."""
+        base, period = self.base, self.effective_period_s
+        hash_stride = max(h for r in base.requests for h in r.hash_ids) + 1
+        ordered = sorted(base.requests, key=lambda r: r.arrival_s)
+        for i in range(self.copies):
+            for r in ordered:
+                index = i * base.num_in_trace + r.index
+                yield dataclasses.replace(r, request_id=f"t{index}" if i else r.request_id, index=index,
+                                          arrival_s=r.arrival_s + i * period,
+                                          hash_ids=tuple(h + i * hash_stride for h in r.hash_ids) if i else r.hash_ids)
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.base.describe(), "num_selected": self.num_requests,
+                "tiled": {"copies": self.copies, "period_s": self.effective_period_s,
+                          "num_per_copy": self.base.num_requests}}
 
 
 def select(requests: tuple[TraceRequest, ...], t: TraceTransform) -> list[TraceRequest]:

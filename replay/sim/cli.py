@@ -3,7 +3,10 @@ policies that prints the cheapest configuration meeting the SLOs at the trace's 
 
 ``add_simulate_parser(subparsers)`` adds the subcommand (``deploy/cli.py`` wires it in); the
 trace, selection and scaling flags are the live replay's (``replay.cli.add_trace_args``), so
-a simulated run and a live one of the same window are made from the same transform.
+a simulated run and a live one of the same window are made from the same transform. A run
+streams its records into the report directory as they are made (``ReportWriter``), so its
+memory does not grow with the trace (``--tile N``: N back-to-back copies of the selection);
+only the plots read them all back.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"simulate every combination of {', '.join(SWEEP_KEYS)} and print the cheapest that "
                         "meets the SLOs")
     p.add_argument("--min-attainment", type=float, default=0.9, help="sweep: SLO attainment a config must reach")
+    p.add_argument("--tile", type=int, default=1, metavar="N",
+                   help="simulate N back-to-back copies of the selection, each with its own hash ids "
+                        "(replay.transform.TiledTrace; made as they are read)")
     p.add_argument("--out", default="", help="report directory (default simulate-<date>-<time>)")
     p.add_argument("--no-plots", action="store_true")
     p.set_defaults(func=run_simulate)
@@ -125,14 +131,38 @@ def _print_rows(rows: list[dict]) -> None:
         print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols))
 
 
+def _write_run(out: Path, scaled, config: SimConfig, costs: CostModels, plots: bool) -> SimResult:
+    """Simulates into the report directory ``out``: streamed when the requests' indexes rise
+    in arrival order (a sorted trace: the usual case), else kept and written at the end."""
+    from replay.report import REQUESTS_FILE, ReportWriter, write_report
+
+    requests = scaled.requests
+    if isinstance(requests, tuple) and any(a.index >= b.index for a, b in zip(requests, requests[1:], strict=False)):
+        result = simulate(scaled, config, costs)
+        write_report(out, result.records, result.summary, plots=plots)
+        return result
+    writer = ReportWriter(out)
+    try:
+        result = simulate(scaled, config, costs, sink=writer)
+    finally:
+        writer.close()
+    if plots:
+        from replay.plots import plot_report
+        from replay.records import read_records
+
+        plot_report(out, read_records(out / REQUESTS_FILE))
+    return result
+
+
 def run_simulate(args: argparse.Namespace) -> int:
-    from replay.report import write_report
     from replay.traces import read_trace
-    from replay.transform import apply_transform
+    from replay.transform import TiledTrace, apply_transform
 
     transform = transform_from_args(args)
     trace = read_trace(args.trace, args.format, block_tokens=args.trace_block_tokens)
     scaled = apply_transform(trace, transform, materialise=False)
+    if args.tile != 1:
+        scaled = TiledTrace(scaled, args.tile)
     costs = _costs(args)
     out = Path(args.out or time.strftime("simulate-%Y%m%d-%H%M%S"))
     if args.sweep is not None:
@@ -147,10 +177,9 @@ def run_simulate(args: argparse.Namespace) -> int:
               f"{best['decode']} decode, policy {best['policy']} (attainment {best['attainment']:.3f})")
         return 0
     config = sim_config(args)
-    print(f"simulating {len(scaled.requests)} requests on {config.num_prefill} prefill + {config.num_decode} decode "
+    print(f"simulating {scaled.num_requests} requests on {config.num_prefill} prefill + {config.num_decode} decode "
           f"({config.conductor.policy}) -> {out}", file=sys.stderr)
-    result = simulate(scaled, config, costs)
-    write_report(out, result.records, result.summary, plots=not args.no_plots)
+    result = _write_run(out, scaled, config, costs, plots=not args.no_plots)
     print(summary_text(result.summary))
     print(f"simulated in {result.stats['wall_s']:.2f}s ({result.stats['num_events']} events); report: {out}")
     return 0

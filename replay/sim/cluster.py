@@ -33,6 +33,7 @@ class SimCluster:
         self.prefill: dict[str, SimPrefill] = {}
         self.decode: dict[str, SimDecode] = {}
         self._loads: dict[str, WorkerLoad] = {}
+        self._entries: list[WorkerInfo] | None = None  # registry order, made once
         self.last_match: MatchSnapshot | None = None
 
     def add(self, worker: SimPrefill | SimDecode) -> None:
@@ -45,6 +46,7 @@ class SimCluster:
         self._infos[worker.worker_id] = info
         self.index.register(info)
         self._loads[worker.worker_id] = worker.load()
+        self._entries = None
 
     def start_heartbeats(self) -> None:
         """Staggered heartbeats: worker ``i`` of ``n`` beats at phase ``(i + 1) / n`` of the interval.
@@ -77,12 +79,11 @@ class SimCluster:
 
     # ---- ClusterView ----------------------------------------------------------------------------
     def registry_view(self, wall_now_s: float) -> tuple[RegistryEntry, ...]:
-        out = []
-        for workers in (self.prefill, self.decode):
-            for wid in sorted(workers):
-                load = self._loads[wid]
-                out.append(RegistryEntry(self._infos[wid], load, max(0.0, wall_now_s - load.timestamp_s)))
-        return tuple(out)
+        if self._entries is None:  # prefill workers then decode workers, each by id; infos fixed
+            self._entries = [self._infos[wid] for workers in (self.prefill, self.decode) for wid in sorted(workers)]
+        loads = self._loads
+        return tuple(RegistryEntry(info, load, max(0.0, wall_now_s - load.timestamp_s))
+                     for info, load in ((info, loads[info.worker_id]) for info in self._entries))
 
     def match(self, keys: Sequence[BlockKey]) -> MatchSnapshot | None:
         self.last_match = self.index.match(keys) if keys else None

@@ -14,21 +14,41 @@ from collections.abc import Sequence
 
 from kvstore.blocks import KEY_BYTES, ROOT_KEY
 
+_HASHER = hashlib.blake2b(digest_size=KEY_BYTES, person=b"tidekv-sim")  # copied per key: cheaper than a new one
+
 
 class KeyCache:
-    """Memoised keys: a shared prefix is hashed once for the whole trace."""
+    """Memoised keys: a shared prefix is hashed once while it is in use. At most
+    ``2 * (max_keys + the longest chain)`` are held, whatever the trace's length: two
+    generations, the newer taking every key used; when it fills (checked after each chain) it
+    becomes the older and the older is forgotten, so a key used in the last ``max_keys``
+    stays. (A key is a pure function of its chain: forgetting one only costs hashing it again.)
 
-    def __init__(self) -> None:
-        self._keys: dict[tuple[bytes, int, int, str], bytes] = {}
+    A chain is looked up from its first block until a block is in neither generation; the
+    rest is hashed without looking: a child is only ever memoised in the same chain as its
+    parent, just after it, so a parent that is not memoised has no memoised children."""
+
+    def __init__(self, max_keys: int = 1 << 16) -> None:  # ~230 bytes a key: two generations, ~30 MiB
+        if max_keys < 1:
+            raise ValueError(f"max_keys must be >= 1, got {max_keys}")
+        self.max_keys = max_keys
+        self._new: dict[tuple[bytes, int, int, str], bytes] = {}
+        self._old: dict[tuple[bytes, int, int, str], bytes] = {}
+
+    def __len__(self) -> int:
+        return len(self._new) + len(self._old)
 
     def key(self, parent: bytes, hash_id: int, sub_block: int, tenant: str) -> bytes:
+        """The key of one block after ``parent`` (memoised like a chain's)."""
         memo = (parent, hash_id, sub_block, tenant)
-        key = self._keys.get(memo)
-        if key is None:
-            h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=b"tidekv-sim")
-            h.update(f"{hash_id}/{sub_block}/{tenant}".encode())
-            key = self._keys[memo] = h.digest()
+        key = self._new.get(memo) or self._old.get(memo) or _hash(parent, hash_id, sub_block, tenant)
+        self._new[memo] = key
+        self._age()
         return key
+
+    def _age(self) -> None:
+        if len(self._new) >= self.max_keys:
+            self._old, self._new = self._new, {}
 
     def chain(self, hash_ids: Sequence[int], num_full_blocks: int, blocks_per_trace_block: int,
               tenant: str = "") -> tuple[bytes, ...]:
@@ -36,8 +56,31 @@ class KeyCache:
         if num_full_blocks > len(hash_ids) * blocks_per_trace_block:
             raise ValueError(f"{num_full_blocks} blocks but only {len(hash_ids)} hash ids of "
                              f"{blocks_per_trace_block} blocks each")
-        out, parent = [], ROOT_KEY
-        for j in range(num_full_blocks):
-            parent = self.key(parent, hash_ids[j // blocks_per_trace_block], j % blocks_per_trace_block, tenant)
-            out.append(parent)
+        k, new, old = blocks_per_trace_block, self._new, self._old
+        out: list[bytes] = []
+        parent, j = ROOT_KEY, 0
+        while j < num_full_blocks:  # the memoised part
+            memo = (parent, hash_ids[j // k], j % k, tenant)
+            key = new.get(memo)
+            if key is None:
+                key = old.get(memo)
+                if key is None:
+                    break
+                new[memo] = key
+            out.append(key)
+            parent, j = key, j + 1
+        for i in range(j, num_full_blocks):  # the rest: new to the cache
+            hash_id, sub_block = hash_ids[i // k], i % k
+            key = _hash(parent, hash_id, sub_block, tenant)
+            new[(parent, hash_id, sub_block, tenant)] = key
+            out.append(key)
+            parent = key
+        self._age()
         return tuple(out)
+
+
+def _hash(parent: bytes, hash_id: int, sub_block: int, tenant: str) -> bytes:
+    h = _HASHER.copy()
+    h.update(parent)
+    h.update(f"{hash_id}/{sub_block}/{tenant}".encode())
+    return h.digest()

@@ -27,7 +27,7 @@ from costmodel import CostModels
 from costmodel.overheads import NO_OVERHEADS, ClusterOverheads
 from kvstore.blocks import BlockKey, Tier
 from kvstore.hitrule import SnapshotPolicy, usable_length
-from kvstore.index import BlockEvent
+from kvstore.index import BlockEvent, BlockEventKind
 from kvstore.placement import Placement, StoreEvent
 from kvstore.sized import SizedBlob, SizedTier
 from prefill_worker.config import PrefillConfig
@@ -77,10 +77,14 @@ class SimPrefill:
         self.running: SimPrefillJob | None = None
         self.num_busy_s = 0.0
         self._events: list[BlockEvent] = []
+        block_bytes = self.block_size * costs.kv_bytes_per_token
+        self._blobs = (SizedBlob(block_bytes, False), SizedBlob(block_bytes + costs.snapshot_bytes, True))
 
     def _publish(self, e: StoreEvent) -> None:
-        self._events.append(BlockEvent.removed(self.worker_id, e.key) if e.kind == "removed"
-                            else BlockEvent.stored(self.worker_id, e.key, e.tier, e.has_snapshot))
+        # BlockEvent.stored/removed, with the event's tier already a Tier
+        self._events.append(BlockEvent(self.worker_id, e.key, None, False, BlockEventKind.REMOVED)
+                            if e.kind == "removed" else
+                            BlockEvent(self.worker_id, e.key, e.tier, e.has_snapshot, BlockEventKind.STORED))
 
     def _flush_events(self) -> None:
         """Publishes the store's changes in one batch, as a Prefill response carries them."""
@@ -89,8 +93,8 @@ class SimPrefill:
             self._events = []
 
     def _blob(self, has_snapshot: bool) -> SizedBlob:
-        size = self.block_size * self.costs.kv_bytes_per_token + (self.costs.snapshot_bytes if has_snapshot else 0)
-        return SizedBlob(size, has_snapshot)
+        """A new block's size (one value per kind: blobs are frozen, so every block shares it)."""
+        return self._blobs[has_snapshot]
 
     # ---- the queue ----------------------------------------------------------------------------
     @property
@@ -163,11 +167,11 @@ class SimPrefill:
         return pull_s
 
     def _finish(self, job: SimPrefillJob) -> None:
-        num_full = len(job.keys)
-        points = set(self.snapshots.snapshot_points(num_full))
-        for i in range(job.num_reused_tokens // self.block_size, num_full):
+        keys, put, top, blobs = job.keys, self.store.put, self.top, self._blobs
+        points = set(self.snapshots.snapshot_points(len(keys)))
+        for i in range(job.num_reused_tokens // self.block_size, len(keys)):
             snap = i in points
-            self.store.put(job.keys[i], self._blob(snap), snap, self.top)
+            put(keys[i], blobs[snap], snap, top)
         self._flush_events()
         self.on_done(job)
         self._start_next()

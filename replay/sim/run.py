@@ -9,6 +9,14 @@ the live cluster's ``ClusterOverheads`` (none by default). The policies predict 
 ``costs`` alone, as the live Conductor does; the modelled workers take the overheads too, and
 each prefill's worker time goes back to the core's ``WorkerSpeed`` exactly as a live Prefill
 response does, so the Conductor's speed factors (and what they do to admission) follow.
+
+A run holds only what is in flight: arrivals are read from the trace one at a time
+(``EventLoop.feed``: a ``ScaledTrace``'s tuple, or any iterable of requests in arrival order
+such as ``replay.transform.TiledTrace``), a request's state is dropped with its record, and
+records go to a ``RecordSink`` as they are made. By default they are kept and returned,
+sorted by index; ``simulate(..., sink=ReportWriter(out))`` streams them to a report
+directory instead (in index order, which needs the requests' indexes to rise in arrival
+order), with the summary built as they pass.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import dataclasses
 import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from conductor.config import ConductorConfig
@@ -34,8 +42,9 @@ from replay.sim.decode import SimDecode, SimDecodeRequest
 from replay.sim.events import EventLoop
 from replay.sim.keys import KeyCache
 from replay.sim.prefill import SimPrefill, SimPrefillJob
-from replay.summary import Summary, summarize
-from replay.transform import ReplayRequest, ScaledTrace
+from replay.sim.sinks import InOrder, KeptRecords, RecordSink
+from replay.summary import Summary
+from replay.transform import ReplayRequest, ScaledTrace, TiledTrace
 
 
 @dataclass(frozen=True)
@@ -81,13 +90,14 @@ class _Life:
 
 @dataclass(frozen=True)
 class SimResult:
-    records: tuple[RequestRecord, ...]
+    records: tuple[RequestRecord, ...]  # by index; empty when they went to a streaming sink
     summary: Summary
     stats: dict
 
 
 class Simulation:
-    def __init__(self, scaled: ScaledTrace, config: SimConfig, costs: CostModels):
+    def __init__(self, scaled: ScaledTrace | TiledTrace, config: SimConfig, costs: CostModels,
+                 sink: RecordSink | None = None):
         t = scaled.transform
         self.scaled, self.costs, self.k = scaled, costs, t.blocks_per_trace_block
         self.block_size = t.block_size
@@ -112,8 +122,10 @@ class Simulation:
                                        self._decode_progress, self.config.overheads, self.config.seed))
         self._draw_joins = len(self.config.overheads.decode_join_quantiles_s) > 1  # else none or a constant
         self._rng = random.Random(f"{self.config.seed}/joins")  # drawn in event order: deterministic
-        self.lives: dict[str, _Life] = {}
-        self.records: list[RequestRecord] = []
+        self.lives: dict[str, _Life] = {}  # the requests that have arrived and not ended
+        self.sink = sink if sink is not None else KeptRecords()
+        self._in_order = InOrder(self.sink) if self.sink.in_index_order else None
+        self.num_ended = 0
         self.num_running = 0
         self.admission_queue: deque[_Life] = deque()
         self.prefix_hit_blocks = 0
@@ -123,6 +135,7 @@ class Simulation:
 
     # ---- arrival and admission ----------------------------------------------------------------
     def _arrive(self, life: _Life) -> None:
+        self.lives[life.req.request_id] = life
         stall_s = self.config.overheads.decode_stall_s_per_arrival  # the Conductor's work shares the host's cores
         for decode in self.cluster.decode.values():
             decode.stall(stall_s)
@@ -238,18 +251,28 @@ class Simulation:
                              max_tokens=r.max_tokens, tenant=r.tenant, ttft_slo_s=r.ttft_slo_s,
                              tbt_slo_s=r.tbt_slo_s, **fields)
 
+    def _record(self, life: _Life, record: RequestRecord) -> None:
+        """The request's one record; its state goes with it."""
+        del self.lives[life.req.request_id]
+        self.num_ended += 1
+        if self._in_order is not None:
+            self._in_order.add(life.seq, record)
+        else:
+            self.sink.add(record)
+
     def _reject(self, life: _Life, reason: str, retry_after_s: float) -> None:
         self.num_rejected += 1
-        self.records.append(self._base(life, REJECTED, status="RESOURCE_EXHAUSTED", error=reason,
-                                       retry_after_s=retry_after_s, latency_s=self.loop.now - life.req.arrival_s))
+        self._record(life, self._base(life, REJECTED, status="RESOURCE_EXHAUSTED", error=reason,
+                                      retry_after_s=retry_after_s, latency_s=self.loop.now - life.req.arrival_s))
 
     def _finish(self, life: _Life) -> None:
         r, d, now = life.req, life.decision, self.loop.now
         self.core.finished(r.request_id)
         self._leave()
         ttft = life.first_s - r.arrival_s
-        times = (ttft, *(t - r.arrival_s for t in life.token_times_s))
-        self.records.append(self._base(
+        arrival_s = r.arrival_s
+        times = (ttft, *[t - arrival_s for t in life.token_times_s])
+        self._record(life, self._base(
             life, FINISHED, finish_reason="length", ttft_s=ttft, latency_s=max(now - r.arrival_s, times[-1]),
             queue_s=life.routed_s + self.config.overheads.dispatch_s - r.arrival_s, token_times_s=times,
             prompt_tokens=r.prompt_len,
@@ -264,19 +287,29 @@ class Simulation:
         prefill = sum(len(w.queue) + (w.running is not None) for w in self.cluster.prefill.values())
         decode = sum(len(w.running) for w in self.cluster.decode.values())
         self.load_series.append((self.loop.now, prefill, decode, self.num_rejected))
-        if len(self.records) < num_requests:
+        if self.num_ended < num_requests:
             self.loop.at(self.loop.now + self.config.load_sample_interval_s, self._sample_load, num_requests)
+
+    def _arrivals(self) -> Iterator[tuple[float, Callable[..., None], tuple]]:
+        """Every request's arrival, in the order the event queue would run them had they all
+        been queued first: by time (none before 0), then by position; ``seq`` is the position."""
+        requests = self.scaled.requests
+        if isinstance(requests, Sequence):
+            order = sorted(range(len(requests)), key=lambda i: (max(requests[i].arrival_s, 0.0), i))
+            pairs = ((i, requests[i]) for i in order)
+        else:
+            pairs = enumerate(requests)  # a stream: in arrival order already (EventLoop.feed checks)
+        for seq, r in pairs:
+            yield max(r.arrival_s, 0.0), self._arrive, (_Life(r, seq),)
 
     def run(self) -> SimResult:
         wall0 = time.perf_counter()
-        requests = self.scaled.requests
-        for seq, r in enumerate(requests):
-            life = self.lives[r.request_id] = _Life(r, seq)
-            self.loop.at(r.arrival_s, self._arrive, life)
+        num_requests = self.scaled.num_requests
+        self.loop.feed(self._arrivals())
         self.cluster.start_heartbeats()
-        self.loop.at(0.0, self._sample_load, len(requests))
+        self.loop.at(0.0, self._sample_load, num_requests)
         self.loop.run()
-        assert len(self.records) == len(requests), f"{len(self.records)} records for {len(requests)} requests"
+        assert self.num_ended == num_requests and not self.lives, f"{self.num_ended} ended of {num_requests} requests"
         stats = {
             "wall_s": time.perf_counter() - wall0, "num_events": self.loop.num_events,
             "prefix_hit_ratio_blocks": self.prefix_hit_blocks / self.trace_blocks if self.trace_blocks else 0.0,
@@ -284,11 +317,12 @@ class Simulation:
             "config": self.config.describe(),
             "load": self.load_series,
         }
-        records = tuple(sorted(self.records, key=lambda rec: rec.index))
-        summary = summarize(records, trace=self.scaled.describe(), run={"simulator": stats})
+        summary = self.sink.finish(trace=self.scaled.describe(), run={"simulator": stats})
+        records = tuple(self.sink.records) if isinstance(self.sink, KeptRecords) else ()
         return SimResult(records, summary, stats)
 
 
-def simulate(scaled: ScaledTrace, config: SimConfig, costs: CostModels) -> SimResult:
+def simulate(scaled: ScaledTrace | TiledTrace, config: SimConfig, costs: CostModels,
+             sink: RecordSink | None = None) -> SimResult:
     """Runs the whole scaled trace through a simulated cluster; see the module docstring."""
-    return Simulation(scaled, config, costs).run()
+    return Simulation(scaled, config, costs, sink).run()
