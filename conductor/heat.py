@@ -3,7 +3,9 @@
 A decayed count per key: every access adds 1 and the count decays as ``exp(-dt / window_s)``,
 so ``rate = count / window_s`` approximates accesses per second over the last window. The
 hot-prefix rule of ``mooncake`` reads it through the snapshot. Keeps at most ``max_keys``
-keys (the coldest go first). Thread-safe; time is given by the caller.
+keys: when one more arrives, the coldest tenth go at once (one sort for ``max_keys / 10``
+arrivals, not a scan at each), coldest by ``log(count) + at_s / window_s``, which orders keys
+as their decayed counts do at any time. Thread-safe; time is given by the caller.
 """
 
 from __future__ import annotations
@@ -30,9 +32,14 @@ class PrefixHeat:
             count = self._decayed(key, now_s) + 1.0
             self._counts[key] = (count, now_s)
             if len(self._counts) > self.max_keys:
-                coldest = min(self._counts, key=lambda k: self._decayed(k, now_s))
-                del self._counts[coldest]
+                self._forget_coldest()
             return count / self.window_s
+
+    def _forget_coldest(self) -> None:
+        window_s = self.window_s
+        by_heat = sorted(self._counts, key=lambda k: math.log(self._counts[k][0]) + self._counts[k][1] / window_s)
+        for key in by_heat[: max(1, len(by_heat) - self.max_keys * 9 // 10)]:
+            del self._counts[key]
 
     def rate(self, key: bytes, now_s: float) -> float:
         with self._lock:

@@ -212,3 +212,17 @@ def test_a_worker_id_is_bound_to_its_instance() -> None:
     assert cluster.register(other, me) is None
     assert cluster.endpoint("p0").info.rpc_address == "127.0.0.1:3"
     assert index.match([key]).get("p0").num_blocks_present == 0
+
+
+def test_prefix_heat_stays_bounded_and_forgets_the_coldest_first() -> None:
+    from conductor.heat import PrefixHeat
+
+    heat = PrefixHeat(window_s=10.0, max_keys=100)
+    for _ in range(5):
+        heat.touch(b"hot", 0.0)
+    for i in range(1000):
+        heat.touch(i.to_bytes(4, "big"), 1.0 + i * 0.01)
+        assert len(heat._counts) <= 100
+    assert heat.rate(b"hot", 11.0) > 0.1  # 5 accesses 11 s ago outweigh 1 access a moment ago
+    assert heat.rate((999).to_bytes(4, "big"), 11.0) > 0  # the newest stay
+    assert heat.rate((0).to_bytes(4, "big"), 11.0) == 0  # the oldest single accesses went first
