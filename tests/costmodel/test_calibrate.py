@@ -1,5 +1,5 @@
 """Calibration against the real engine and transfer engine, on the ``smoke`` grid: the benches
-leave nothing behind, ``python -m costmodel`` writes a file ``CostModels.load`` accepts for the
+leave nothing behind, ``python -m costmodel`` writes a file ``load_models`` accepts for the
 tiny model, and ``ensure_calibration`` measures once, then loads, and never replaces a corrupt
 file. No test asserts a speed: only that times are positive and models monotone."""
 

@@ -15,7 +15,7 @@ import pytest
 
 import engine
 from conductor.client import Client
-from costmodel import CalibrationInfo, load_models
+from costmodel import CalibrationInfo, load_models, save_models
 from costmodel.builtin import tiny_cpu_estimate
 from deploy.local import free_port
 from proto import internal_pb2 as ipb
@@ -63,7 +63,7 @@ def test_a_calibration_for_another_model_refuses_this_models_workers(tmp_path, r
     other = dataclasses.replace(tiny_cpu_estimate(), info=CalibrationInfo(model_fingerprint="another-model",
                                                                           device="cpu", torch_threads=1))
     path = tmp_path / "other.json"
-    other.save(path)
+    save_models(other, path)
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--role", "conductor", "--port", str(port),
                              "--calibration", str(path), "--insecure-no-auth"], cwd=ROOT, stdout=subprocess.PIPE,
