@@ -106,7 +106,7 @@ def _ray_config(args: argparse.Namespace):
     http = FrontConfig(model=args.model, port=max(args.http_port, 0), api_keys=conductor.api_keys)
     return RayClusterConfig(conductor=conductor, prefill=prefill, decode=decode, http=http, num_prefill=args.prefill,
                             num_decode=args.decode, num_http=0 if args.http_port < 0 else 1, namespace=args.namespace,
-                            **placements)
+                            num_conductors=args.conductors, **placements)
 
 
 def _cmd_up_ray(args: argparse.Namespace) -> int:
@@ -118,10 +118,11 @@ def _cmd_up_ray(args: argparse.Namespace) -> int:
         raise ValueError("--detach needs a Ray cluster that outlives this command: --ray ADDRESS")
     if args.ray == "local":  # a Ray instance for this command's life, offering every role's resource
         connect("local", config.namespace, include_dashboard=False,
-                resources={"tidekv_conductor": 1, "tidekv_prefill": 64, "tidekv_decode": 64})
+                resources={"tidekv_conductor": args.conductors, "tidekv_prefill": 64, "tidekv_decode": 64})
     else:
         connect(args.ray, config.namespace)
-    print(f"starting conductor + {args.prefill} prefill + {args.decode} decode as Ray actors "
+    conductors = f"{args.conductors} conductors" if args.conductors > 1 else "conductor"
+    print(f"starting {conductors} + {args.prefill} prefill + {args.decode} decode as Ray actors "
           f"(namespace {config.namespace})", file=sys.stderr)
     cluster = RayCluster(config).start()
     try:
@@ -306,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--policy", default="mooncake")
     up.add_argument("--conductors", type=int, default=1,
                     help="Conductor replicas over one shared cluster state (> 1: in --index, or a local "
-                         "redis-server this command starts)")
+                         "redis-server this command starts; with --ray, --index must name a store every node reaches)")
     up.add_argument("--index", default="memory", help="where the cluster state lives: memory, or a store "
                                                       "(redis://, rediss://, redis+sentinel://HOST:PORT/SERVICE)")
     up.add_argument("--index-password-file", default="", metavar="FILE", help="the store's password (AUTH)")

@@ -84,11 +84,12 @@ class Endpoint:
 def endpoints(conductor_grpc: str, conductor_metrics: str, workers: tuple[WorkerState, ...],
               http_url: str = "") -> tuple[Endpoint, ...]:
     """Every address of a cluster: each Conductor's (``conductor_grpc`` and ``conductor_metrics``
-    comma-separated for replicas), each registered worker's (as the registry lists them), the
-    HTTP front's."""
+    comma-separated for replicas; replica r > 0 is named ``conductor-r`` in the ID column), each
+    registered worker's (as the registry lists them), the HTTP front's."""
     grpcs, metrics = conductor_grpc.split(","), conductor_metrics.split(",")
     metrics += [""] * (len(grpcs) - len(metrics))
-    out = [Endpoint("conductor", "", g, "", m, "") for g, m in zip(grpcs, metrics, strict=False)]
+    out = [Endpoint("conductor", f"conductor-{r}" if r else "", g, "", m, "")
+           for r, (g, m) in enumerate(zip(grpcs, metrics, strict=False))]
     out += [Endpoint(w.role, w.worker_id, w.rpc_address, w.transfer_address, w.metrics_address, "") for w in workers]
     if http_url:  # the front serves its /metrics on its own port
         out.append(Endpoint("http", "", "", "", http_url.split("://", 1)[-1].removesuffix("/v1"), http_url))

@@ -3,6 +3,8 @@
 What runs where (names in the Ray namespace ``config.namespace``, "tidekv" by default):
 
     conductor            detached actor: the Conductor service, public gRPC endpoint + registry
+    conductor-R          with num_conductors > 1: replica R (1..N-1), sharing the cluster state
+                         with the others through the store of ``conductor.index`` (redis://...)
     prefill-K-I          detached actor in bundle I of placement group "<ns>-prefill-gK" (PACK)
     decode-K-I           detached actor in bundle I of placement group "<ns>-decode-gK" (SPREAD)
     http                 detached actor: the OpenAI HTTP front (``openai_api``), unless num_http is 0
@@ -11,8 +13,10 @@ Each actor is a ``RoleActor``: it builds its role's service (``build(config)``, 
 ``runtime.service``) and starts it in ``__init__``, so a restart by Ray (``max_restarts``)
 builds a fresh one, which registers with the Conductor again under the same worker id. Every
 actor binds and advertises its node's address (a role config that names another bind host,
-such as 0.0.0.0, keeps it). A worker whose config names no Conductor asks the named
-``conductor`` actor for its address whenever it (re)starts.
+such as 0.0.0.0, keeps it). A worker or front whose config names no Conductor asks the
+Conductor actors for their addresses whenever it (re)starts, and is given them all
+(comma-separated: it fails over between them). Replica R takes the config's port + R (and
+metrics port + R) when they are fixed, so replicas that share a node do not collide.
 
 A pool grows by a placement group per scale-up (one bundle per worker: ``CPU``, the role's
 custom resources such as ``tidekv_prefill``, a ``GPU`` when the config says CUDA), filling free
@@ -57,7 +61,7 @@ from runtime.auth import load_secret, new_secret
 from runtime.settings import setup_torch
 
 NAMESPACE = "tidekv"
-CONDUCTOR = "conductor"
+CONDUCTOR = "conductor"  # replica 0's actor; replica R's is "conductor-R"
 HTTP = "http"
 POOLS = ("prefill", "decode")
 BUILDERS = {"conductor": "conductor.server", "prefill": "prefill_worker.server", "decode": "decode_worker.server",
@@ -111,6 +115,7 @@ class RayClusterConfig:
     num_prefill: int = 1
     num_decode: int = 1
     num_http: int = 1  # 0: no HTTP front
+    num_conductors: int = 1  # > 1: replicas over the shared state of conductor.index (redis://...)
     namespace: str = NAMESPACE
     conductor_placement: Placement = Placement(resources=(("tidekv_conductor", 1.0),))
     prefill_placement: Placement = Placement(resources=(("tidekv_prefill", 1.0),), strategy="PACK")
@@ -125,6 +130,22 @@ class RayClusterConfig:
         if self.num_prefill < 0 or self.num_decode < 0 or self.num_http not in (0, 1):
             raise ValueError(f"num_prefill {self.num_prefill} and num_decode {self.num_decode} must be >= 0, "
                              f"num_http {self.num_http} 0 or 1")
+        if self.num_conductors < 1:
+            raise ValueError(f"num_conductors {self.num_conductors} must be >= 1")
+        if self.num_conductors > 1 and self.conductor.index == "memory":
+            raise ValueError(f"num_conductors {self.num_conductors}: replicas share their state through a store "
+                             "every node reaches: give the Conductor --index redis://HOST:PORT (or rediss://, "
+                             "redis+sentinel://)")
+
+    @property
+    def conductor_names(self) -> tuple[str, ...]:
+        return tuple(conductor_name(r) for r in range(self.num_conductors))
+
+    def replica_config(self, replica: int) -> ConductorConfig:
+        """Replica ``replica``'s Conductor config: fixed ports moved up by its number."""
+        c = self.conductor
+        return dataclasses.replace(c, port=c.port + replica if c.port else 0,
+                                   metrics_port=c.metrics_port + replica if c.metrics_port > 0 else c.metrics_port)
 
     def role_config(self, role: str) -> Any:
         return getattr(self, role)
@@ -134,6 +155,22 @@ class RayClusterConfig:
 
     def num_gpus(self, role: str) -> int:
         return 1 if getattr(self.role_config(role), "device", "cpu").startswith("cuda") else 0
+
+
+def conductor_name(replica: int) -> str:
+    return CONDUCTOR if replica == 0 else f"{CONDUCTOR}-{replica}"
+
+
+_CONDUCTOR_NAME = re.compile(rf"{CONDUCTOR}(-[1-9]\d*)?")
+
+
+def conductor_addresses(namespace: str) -> str:
+    """Every running Conductor actor's address, comma-separated, replica 0 first."""
+    names = sorted((a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["namespace"] == namespace and _CONDUCTOR_NAME.fullmatch(a["name"])),
+                   key=lambda n: int(n.rpartition("-")[2]) if "-" in n else 0)
+    handles = [ray.get_actor(n, namespace=namespace) for n in names]
+    return ",".join(ray.get([h.address.remote() for h in handles], timeout=60))
 
 
 @dataclass(frozen=True)
@@ -151,21 +188,16 @@ class ActorReport:
 
 def _placed(role: str, config: Any, node_ip: str, namespace: str) -> Any:
     """``config`` for this node: bind and advertise the node's address (unless it names a bind
-    host), find the Conductor through its actor, keep the SSD tier under ``data_dir/<worker
+    host), find the Conductors through their actors, keep the SSD tier under ``data_dir/<worker
     id>``, use the GPU Ray assigned."""
     changes: dict[str, Any] = {}
     if config.host == "127.0.0.1":
         changes["host"] = node_ip
-    if role == HTTP:
+    if role != CONDUCTOR:
         changes["advertise_host"] = config.advertise_host or node_ip
         if not config.conductor:
-            conductor = ray.get_actor(CONDUCTOR, namespace=namespace)
-            changes["conductor"] = ray.get(conductor.address.remote(), timeout=60)
-    elif role != CONDUCTOR:
-        changes["advertise_host"] = config.advertise_host or node_ip
-        if not config.conductor:
-            conductor = ray.get_actor(CONDUCTOR, namespace=namespace)
-            changes["conductor"] = ray.get(conductor.address.remote(), timeout=60)
+            changes["conductor"] = conductor_addresses(namespace)
+    if role in POOLS:
         if getattr(config, "data_dir", ""):  # one SSD tier per worker, kept across its restarts
             changes["data_dir"] = os.path.join(config.data_dir, config.worker_id)
         if config.device.startswith("cuda"):
@@ -282,7 +314,7 @@ class RayCluster:
             raise ValueError(f"no Tidekv cluster in Ray namespace {namespace!r}: start one with "
                              f"`tidekv up --ray`") from None
         cluster = cls(ray.get(conductor.cluster_config.remote(), timeout=60))
-        cluster.endpoint = ray.get(conductor.address.remote(), timeout=60)
+        cluster.endpoint = conductor_addresses(namespace)
         if HTTP in cluster._names():
             front = ray.get(ray.get_actor(HTTP, namespace=namespace).address.remote(), timeout=60)
             cluster.http_url = f"{'https' if cluster.config.http.tls.serves else 'http'}://{front}/v1"
@@ -290,16 +322,17 @@ class RayCluster:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> RayCluster:
-        """Conductor first (its address is the workers'), then the pools; returns when every actor
-        is ready and registered. ``RuntimeError`` naming what did not come up (and all stopped)."""
+        """Conductors first (their addresses are the workers'), then the pools; returns when every
+        actor is ready and registered. ``RuntimeError`` naming what did not come up (and all stopped)."""
         c = self.config
         if CONDUCTOR in self._names():
             raise ValueError(f"a Tidekv cluster already runs in Ray namespace {self.ns!r}: "
                              "`tidekv scale` it, or stop it first")
         try:
-            handle = self._actor(CONDUCTOR, CONDUCTOR, c.conductor, None, None, cluster=c)
-            self._wait_ready({CONDUCTOR: handle}, registered=False)
-            self.endpoint = ray.get(handle.address.remote())
+            conductors = {name: self._actor(name, CONDUCTOR, c.replica_config(r), None, None, cluster=c)
+                          for r, name in enumerate(c.conductor_names)}
+            self._wait_ready(conductors, registered=False)
+            self.endpoint = conductor_addresses(self.ns)
             self.scale("prefill", c.num_prefill)
             self.scale("decode", c.num_decode)
             if c.num_http:
@@ -317,8 +350,7 @@ class RayCluster:
         names = self._names()
         if HTTP in names:
             self._retire({HTTP: ray.get_actor(HTTP, namespace=self.ns)}, grace_s)
-        if CONDUCTOR in names:
-            self._retire({CONDUCTOR: ray.get_actor(CONDUCTOR, namespace=self.ns)}, grace_s)
+        self._retire({n: ray.get_actor(n, namespace=self.ns) for n in names if _CONDUCTOR_NAME.fullmatch(n)}, grace_s)
         for role in POOLS:
             self._retire(self._pool(role), grace_s)
         for role in POOLS:
@@ -400,7 +432,8 @@ class RayCluster:
     def reports(self) -> list[ActorReport]:
         """Where every actor runs and what it serves; an actor that does not answer is left out."""
         names = self._names()
-        actors = {n: ray.get_actor(n, namespace=self.ns) for n in (CONDUCTOR, HTTP) if n in names}
+        actors = {n: ray.get_actor(n, namespace=self.ns) for n in sorted(names)
+                  if n == HTTP or _CONDUCTOR_NAME.fullmatch(n)}
         for role in POOLS:
             actors |= self._pool(role)
         out = []
@@ -410,10 +443,10 @@ class RayCluster:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 continue
         order = (CONDUCTOR, *POOLS, HTTP)
-        return sorted(out, key=lambda r: (order.index(r.role), _slot(r.name) if r.role in POOLS else (0, 0)))
+        return sorted(out, key=lambda r: (order.index(r.role), _slot(r.name) if r.role in POOLS else (0, 0), r.name))
 
     def registered(self) -> set[str]:
-        """Worker ids the Conductor holds as alive."""
+        """Worker ids the Conductor (replica 0: the replicas share one state) holds as alive."""
         return set(ray.get(ray.get_actor(CONDUCTOR, namespace=self.ns).workers.remote(), timeout=10))
 
     def worker_states(self) -> tuple[WorkerState, ...]:
@@ -431,7 +464,8 @@ class RayCluster:
                     last_error = f"{name}: {e}"
             if pending and time.monotonic() > until:
                 raise RuntimeError(f"not ready within {self.config.ready_timeout_s:.0f} s: {sorted(pending)} "
-                                   f"(last error: {last_error or 'none'})")
+                                   f"(last error: {last_error or 'none'}; an actor Ray cannot place waits for "
+                                   f"its resources, free now: {ray.available_resources()})")
             if pending:
                 time.sleep(0.5)
         if registered:
@@ -476,12 +510,13 @@ def format_actors(reports: list[ActorReport]) -> list[str]:
 
 
 def report_endpoints(reports: list[ActorReport]) -> tuple[Endpoint, ...]:
-    """Every actor's addresses; a worker's id is its actor's name."""
+    """Every actor's addresses; a worker's id is its actor's name, as is a Conductor replica's
+    after the first (``conductor-1``)."""
     def row(r: ActorReport) -> Endpoint:
         if r.role == HTTP:  # the front serves its /metrics on its own port
             return Endpoint(HTTP, "", "", "", r.metrics_address or r.address.split("://", 1)[-1].split("/")[0],
                             r.address)
-        return Endpoint(r.role, "" if r.role == CONDUCTOR else r.name, r.address, r.transfer_address,
+        return Endpoint(r.role, "" if r.name == CONDUCTOR else r.name, r.address, r.transfer_address,
                         r.metrics_address, "")
 
     return tuple(row(r) for r in reports)

@@ -1,11 +1,13 @@
 """Tidekv on a real local Ray cluster (``ray start --head`` on 127.0.0.1, token auth, stopped at the end).
 
-One lifecycle, step by step: 1 Conductor + 2 prefill + 1 decode actors and the HTTP front
-come up and serve token-exact (gRPC and HTTP; the front holds no cluster secret and serves its
-/metrics); `tidekv status` (another driver) reads every actor, load and address from Ray;
-a prefill actor killed with ``ray.kill(no_restart=False)`` is restarted by Ray,
-registers again and serves, while the cluster keeps serving on the others; a killed Conductor
-comes back on its port and every worker registers with it again; the decode pool is
+One lifecycle, step by step: 2 Conductor replicas (sharing their state in a real
+redis-server) + 2 prefill + 1 decode actors and the HTTP front come up and serve token-exact
+(gRPC through each replica and the pair, and HTTP; the front holds no cluster secret and
+serves its /metrics); `tidekv status` (another driver) reads every actor, load and address
+from Ray; a prefill actor killed with ``ray.kill(no_restart=False)`` is restarted by Ray,
+registers again and serves, while the cluster keeps serving on the others; while a killed
+Conductor replica is down the other serves, and Ray brings it back on its port, caught up
+with every worker; the decode pool is
 scaled to 2 by the ``tidekv scale`` command (a second Ray driver) and back to 1 by the API; the
 cluster stops; then the Ray cluster stops with no Ray or Tidekv process left behind.
 """
@@ -53,7 +55,7 @@ from tests.e2e.helpers import prompt, run_all  # noqa: E402
 pytestmark = pytest.mark.timeout(300)  # the lifecycle takes about a minute; a hang must not take ten
 NAMESPACE = "tidekv-test"
 BLOCK = 16
-HEAD_RESOURCES = {"tidekv_conductor": 1, "tidekv_prefill": 4, "tidekv_decode": 4}
+HEAD_RESOURCES = {"tidekv_conductor": 2, "tidekv_prefill": 4, "tidekv_decode": 4}
 
 
 def _ours(temp_dir: str) -> list[str]:
@@ -130,6 +132,7 @@ def wait_until(predicate, timeout_s: float, what: str):
 
 
 ALL_WORKERS = {"prefill-0-0", "prefill-0-1", "decode-0-0"}
+CONDUCTORS = ("conductor", "conductor-1")
 
 
 def check_http(url: str, reference, salt: int) -> None:
@@ -147,16 +150,18 @@ def check_http(url: str, reference, salt: int) -> None:
 
 def check_started(cluster: RayCluster, reference) -> dict:
     reports = {r.name: r for r in cluster.reports()}
-    assert set(reports) == {"conductor", "http", *ALL_WORKERS}
+    assert set(reports) == {*CONDUCTORS, "http", *ALL_WORKERS}
     assert all(r.ready and r.node_ip == "127.0.0.1" and r.address.startswith("127.0.0.1:")
                for r in reports.values()), reports
     assert all(reports[n].transfer_address.startswith("tcp://127.0.0.1:") for n in ALL_WORKERS)
-    assert len({r.pid for r in reports.values()}) == 5 and os.getpid() not in {r.pid for r in reports.values()}
-    assert cluster.endpoint == reports["conductor"].address
+    assert len({r.pid for r in reports.values()}) == 6 and os.getpid() not in {r.pid for r in reports.values()}
+    assert cluster.endpoint == f"{reports['conductor'].address},{reports['conductor-1'].address}"
     assert cluster.http_url == f"http://{reports['http'].address}/v1"
     assert ray.get(ray.get_actor("http", namespace=NAMESPACE).secret.remote()) == ""  # the front holds none
     outs = check_exact(cluster.endpoint, reference, salt=300)
     assert {o.prefill_worker for o in outs} == {"prefill-0-0", "prefill-0-1"}
+    for i, name in enumerate(CONDUCTORS):  # the workers registered once; each replica serves them
+        check_exact(reports[name].address, reference, salt=310 + 10 * i, n=2)
     check_http(cluster.http_url, reference, salt=350)
     return reports
 
@@ -176,7 +181,8 @@ def check_status(ray_address: str, tmp_path: Path) -> None:
 
     text = tidekv("status", "--ray", ray_address, "--namespace", NAMESPACE)
     rows = address_table(text)
-    assert set(rows) == {("conductor", "-"), ("http", "-"), *((n.split("-")[0], n) for n in ALL_WORKERS)}, text
+    assert set(rows) == {("conductor", "-"), ("conductor", "conductor-1"), ("http", "-"),
+                         *((n.split("-")[0], n) for n in ALL_WORKERS)}, text
     for (role, _), row in rows.items():
         if role == "http":
             assert "127.0.0.1:" in row["HTTP"] and any(n.startswith("tidekv:") for n, _, _ in scrape(row["METRICS"]))
@@ -187,7 +193,7 @@ def check_status(ray_address: str, tmp_path: Path) -> None:
     workers = text.split("\nWORKER", 1)[1].split("\nROLE", 1)[0]
     assert {line.split()[0] for line in workers.splitlines()[1:]} == ALL_WORKERS, text
     as_json = json.loads(tidekv("status", "--ray", ray_address, "--namespace", NAMESPACE, "--json"))
-    assert {a["name"] for a in as_json["actors"]} == {"conductor", "http", *ALL_WORKERS}
+    assert {a["name"] for a in as_json["actors"]} == {*CONDUCTORS, "http", *ALL_WORKERS}
     assert {w["worker_id"] for w in as_json["workers"]} == ALL_WORKERS and as_json["kind"] == "ray"
     run_dir = tmp_path / "up-run"  # what `tidekv up --ray` leaves for status and top
     write_ray_run(run_dir, RayRun(ray_address, NAMESPACE, as_json["endpoint"], 2**22 + 1, time.time()))
@@ -212,8 +218,10 @@ def check_prefill_actor_restarts(cluster: RayCluster, reference, before, tmp_pat
 
 
 def check_conductor_actor_restarts(cluster: RayCluster, reference, before) -> None:
-    """The Conductor dies: Ray restarts it on its port, and every worker registers with it again."""
+    """A Conductor replica dies: the other serves meanwhile (clients fail over); Ray restarts
+    it on its port, and it catches up with every worker from the shared state."""
     ray.kill(ray.get_actor("conductor", namespace=NAMESPACE), no_restart=False)
+    check_exact(cluster.endpoint, reference, salt=540, n=2)
 
     def conductor_back() -> bool:
         pids = {r.pid for r in cluster.reports() if r.name == "conductor"}
@@ -240,13 +248,15 @@ def check_decode_scales(cluster: RayCluster, reference, ray_address: str) -> Non
     check_exact(cluster.endpoint, reference, salt=700)
 
 
-def test_ray_cluster_lifecycle(ray_head, reference, tmp_path):
+def test_ray_cluster_lifecycle(ray_head, reference, tmp_path, redis_server):
     config = RayClusterConfig(
-        conductor=ConductorConfig(port=free_port(), policy="round_robin", worker_ttl_s=2.0, insecure_no_auth=True),
+        conductor=ConductorConfig(port=free_port(), policy="round_robin", worker_ttl_s=2.0, insecure_no_auth=True,
+                                  index=redis_server.url, index_namespace=f"ray-{secrets.token_hex(4)}"),
         # A given data dir (one SSD tier per worker under it): a killed actor leaves nothing in /tmp.
         prefill=PrefillConfig(block_size=BLOCK, num_pages=256, drain_timeout_s=10, data_dir=str(tmp_path)),
         decode=DecodeConfig(block_size=BLOCK, num_pages=512, drain_timeout_s=10),
-        http=FrontConfig(port=free_port()), num_prefill=2, num_decode=1, namespace=NAMESPACE, ready_timeout_s=150,
+        http=FrontConfig(port=free_port()), num_prefill=2, num_decode=1, num_conductors=2, namespace=NAMESPACE,
+        ready_timeout_s=150,
     )
     cluster = RayCluster(config)
     try:
@@ -263,3 +273,13 @@ def test_ray_cluster_lifecycle(ray_head, reference, tmp_path):
     groups = [i["name"] for i in ray.util.placement_group_table().values()
               if i["name"].startswith(NAMESPACE) and i["state"] != "REMOVED"]
     assert not groups, groups
+
+
+def test_conductor_replicas_on_ray_need_a_shared_store_and_ports_of_their_own():
+    with pytest.raises(ValueError, match="--index redis://"):
+        RayClusterConfig(num_conductors=2)
+    config = RayClusterConfig(conductor=ConductorConfig(port=50051, metrics_port=9400, index="redis://r:6379/0"),
+                              num_conductors=3)
+    assert config.conductor_names == ("conductor", "conductor-1", "conductor-2")
+    assert [(config.replica_config(r).port, config.replica_config(r).metrics_port) for r in range(3)] == [
+        (50051, 9400), (50052, 9401), (50053, 9402)]
