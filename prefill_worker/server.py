@@ -17,7 +17,6 @@ import threading
 
 import grpc
 
-import engine
 from kvstore.device import DeviceTier
 from kvstore.metrics import StoreMetrics
 from kvstore.store import StoreConfig, StoreEvent, TieredStore
@@ -32,6 +31,7 @@ from proto.convert import block_event, sampling_from_proto
 from runtime.auth import AuthError, Need, WorkerCredential, check_grant, current_principal, refuse, worker_of
 from runtime.grpc_server import start_server
 from runtime.metrics import Identity, start_metrics
+from runtime.ranks import serve_rank
 from runtime.service import WorkerServiceBase, serve_until_signal
 from runtime.settings import parse_config, setup_torch
 
@@ -135,7 +135,7 @@ class PrefillWorker(WorkerServiceBase):
         ident = Identity(self.worker_id, "prefill", cfg.model)
         self.metrics = start_metrics(cfg.host, cfg.metrics_port, identity=ident, advertise_host=cfg.advertised_host)
         self._closing.callback(self.metrics.stop)
-        model = engine.load_model(cfg.model, device=cfg.device)
+        model = self._load_model()
         mcfg = model.cfg
         state_bytes = mcfg.kda_num_heads * mcfg.kda_head_dim**2 * 4  # one KDA layer's state: one frame
         if cfg.max_frame_bytes < state_bytes:
@@ -202,6 +202,9 @@ def build(config: PrefillConfig) -> PrefillWorker:
 def serve(argv: list[str] | None = None) -> None:
     """``tidekv serve --role prefill``: flags and ``TIDEKV_*`` -> build -> serve until SIGTERM/SIGINT."""
     cfg = parse_config(PrefillConfig, argv, prog="tidekv serve --role prefill")
+    if cfg.rank > 0:  # a rank of a parallel instance other than its face: no service of its own
+        serve_rank(cfg)
+        return
     try:
         worker = build(cfg)
     except ValueError as e:

@@ -49,7 +49,8 @@ def worker_from_proto(info: ipb.WorkerInfo) -> WorkerInfo:
         raise ValueError(f"worker {info.worker_id}: role must be prefill or decode, got {info.role}")
     return WorkerInfo(info.worker_id, ROLES[info.role], info.rpc_address, info.num_pages_total,
                       info.dram_capacity_bytes, info.ssd_capacity_bytes, info.transfer_address,
-                      info.metrics_address, info.model_fingerprint, info.block_size, info.instance_id)
+                      info.metrics_address, info.model_fingerprint, info.block_size, info.instance_id,
+                      max(1, info.tp_size), max(1, info.ep_size), max(1, info.cpp_stages), info.cpp_chunk_tokens)
 
 
 def worker_to_proto(info: WorkerInfo) -> ipb.WorkerInfo:
@@ -57,7 +58,9 @@ def worker_to_proto(info: WorkerInfo) -> ipb.WorkerInfo:
                           transfer_address=info.transfer_address, model_fingerprint=info.model_fingerprint,
                           block_size=info.block_size, num_pages_total=info.num_pages_total,
                           dram_capacity_bytes=info.dram_capacity_bytes, ssd_capacity_bytes=info.ssd_capacity_bytes,
-                          metrics_address=info.metrics_address, instance_id=info.instance_id)
+                          metrics_address=info.metrics_address, instance_id=info.instance_id,
+                          tp_size=info.tp_size, ep_size=info.ep_size, cpp_stages=info.cpp_stages,
+                          cpp_chunk_tokens=info.cpp_chunk_tokens)
 
 
 def load_to_proto(load: WorkerLoad) -> ipb.WorkerLoad:
