@@ -187,6 +187,9 @@ def serve_rank(config: WorkerConfig) -> None:
         follower.run()
     except GroupFailed as e:
         fail_fast(str(e), deregister_instance)
+    except Exception as e:  # outermost boundary of a rank: any failure ends the instance
+        log.exception("rank %d failed", config.rank)
+        fail_fast(f"rank {config.rank} failed: {e}", deregister_instance)
     link.close()
     leave_group()
 

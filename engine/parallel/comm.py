@@ -9,7 +9,8 @@ identity) and ``DistComm`` over ``torch.distributed`` process groups::
 ``reduce_tp`` after a row-parallel projection (attention's o_proj, the dense MLP's down_proj);
 ``reduce_stage`` after the MoE (routed experts partitioned over e and split over t, shared
 experts split over the whole stage: one sum combines both); ``gather_tp`` concatenates the
-vocabulary slices of the logits. Sums run in place on contiguous tensors.
+vocabulary slices of the logits. Sums run in place on contiguous tensors. A failed
+collective (a rank died) raises ``GroupFailed``.
 
 Each call counts its time and bytes (``stats``), which ``bench/parallel.py`` reports as the
 communication share. Not thread-safe: one thread drives a rank's forward passes.
@@ -23,6 +24,20 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+
+class GroupFailed(RuntimeError):
+    """A rank of this instance is gone or unreachable (a collective failed): the instance can
+    no longer compute and must restart as a whole."""
+
+
+def _collective(fn, *args, **kwargs):
+    """Runs one ``torch.distributed`` call; a lost peer (gloo and NCCL raise RuntimeError)
+    becomes ``GroupFailed``."""
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, ValueError) as e:
+        raise GroupFailed(f"a collective failed ({e})") from e
 
 
 @dataclass
@@ -88,7 +103,7 @@ class DistComm(Comm):
             return x
         t0 = time.perf_counter()
         x = x.contiguous()
-        dist.all_reduce(x, group=group)
+        _collective(dist.all_reduce, x, group=group)
         self.stats.add(kind, t0, x)
         return x
 
@@ -104,6 +119,6 @@ class DistComm(Comm):
         t0 = time.perf_counter()
         x = x.contiguous()
         parts: Sequence[torch.Tensor] = [torch.empty_like(x) for _ in range(self.tp_size)]
-        dist.all_gather(list(parts), x, group=self.tp_group)
+        _collective(dist.all_gather, list(parts), x, group=self.tp_group)
         self.stats.add("gather_tp", t0, x)
         return torch.cat(list(parts), -1)

@@ -22,15 +22,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.parallel.comm import DistComm
+from engine.parallel.comm import DistComm, GroupFailed
 from engine.parallel.shape import ParallelShape
 
 log = logging.getLogger(__name__)
-
-
-class GroupFailed(RuntimeError):
-    """A rank of this instance is gone or unreachable (a collective failed): the instance can
-    no longer compute and must restart as a whole."""
+__all__ = ["Channel", "GroupConfig", "GroupFailed", "init_group", "leave_group"]
 
 
 @dataclass(frozen=True)
