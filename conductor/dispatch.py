@@ -98,6 +98,7 @@ class PrefillCall:
     decode_transfer_address: str
     deadline_s: float  # seconds left of the request's deadline (the worker's bound too)
     timeout_s: float = math.inf  # this attempt's bound: past it the call ends as STALLED (prefill_timeout_s)
+    cpp_chunk_tokens: int = 0  # a CPP group pipelines the prompt in chunks of this (0: not; conductor.cpp)
 
 
 @dataclass(frozen=True)

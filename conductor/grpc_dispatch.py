@@ -180,7 +180,8 @@ class GrpcDispatcher:
         request = ipb.PrefillRequest(
             request_id=call.request_id, token_ids=call.token_ids, sampling=sampling_to_proto(sampling),
             block_keys=call.block_keys, decode_transfer_address=call.decode_transfer_address,
-            deadline_s=call.deadline_s, reuse=self._reuse_plan(prefill_worker, call))
+            deadline_s=call.deadline_s, reuse=self._reuse_plan(prefill_worker, call),
+            cpp_chunk_tokens=call.cpp_chunk_tokens)
         bounded = call.timeout_s < call.deadline_s  # the attempt's own bound ends it before the deadline
         future = self._endpoint(prefill_worker).prefill.Prefill.future(
             request, timeout=min(call.deadline_s, call.timeout_s))

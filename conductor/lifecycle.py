@@ -321,7 +321,8 @@ class RequestLife:
         self._on_cancel(release)
         timeout_s = prefill_timeout_s(self.prefill_timeout_s, decision.predicted.ttft_s)
         call = PrefillCall(rid, facts.prompt_ids, keys, decision.reuse.num_blocks,
-                           decision.reuse.holder, address, self._call_timeout_s(), timeout_s)
+                           decision.reuse.holder, address, self._call_timeout_s(), timeout_s,
+                           decision.cpp_chunk_tokens)
         if not self._started:
             self.t.prefill_start = self.clock.now()
         try:

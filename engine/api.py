@@ -28,13 +28,13 @@ DEFAULT_BLOCK_SIZE = 32
 
 
 def load_model(path_or_name: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               plan: ShardPlan = SINGLE_PLAN, comm: Comm = LOCAL) -> HybridModel:
+               plan: ShardPlan = SINGLE_PLAN, comm: Comm = LOCAL, layers: range | None = None) -> HybridModel:
     """A built-in model by name (``"tiny"``: Kimi Linear, ``"tiny-k2"``: DeepSeek-V3/K2; seeded
     weights) or a checkpoint directory with config.json + safetensors (architecture chosen by
     its ``model_type`` / ``architectures``).
 
-    ``plan``/``comm``: one rank's share of a parallel instance (``engine.parallel``); the
-    fingerprint is the whole model's whatever the share.
+    ``plan``/``comm``/``layers``: one rank's share of a parallel instance (``engine.parallel``);
+    the fingerprint is the whole model's whatever the share.
 
     Raises CheckpointError / ValueError naming the offending key or tensor; nothing is built
     until every tensor has been checked. On CPU this turns on flush-to-zero for denormals
@@ -52,7 +52,7 @@ def load_model(path_or_name: str, device: str = "cpu", dtype: torch.dtype = torc
         tensors = load_tensors(Path(path_or_name), cfg)
         fingerprint = _fingerprint(cfg, tensors)
         tokenizer = load_tokenizer(path_or_name)
-    model = HybridModel(cfg, tensors, fingerprint, device=device, dtype=dtype, plan=plan, comm=comm)
+    model = HybridModel(cfg, tensors, fingerprint, device=device, dtype=dtype, plan=plan, comm=comm, layers=layers)
     model.tokenizer = tokenizer
     return model
 

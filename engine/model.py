@@ -71,12 +71,15 @@ class HybridModel:
 
     ``plan``/``comm``: this rank's share of a parallel instance (default: the whole model on
     one rank). The tensors are the full checkpoint's; ``fingerprint`` is the full model's, so
-    every shape of an instance produces and reuses the same blocks."""
+    every shape of an instance produces and reuses the same blocks. ``layers``: the layers this
+    rank computes (a pipeline stage, ``engine.parallel.pipeline``; default all): only the first
+    stage embeds and only the last one has the final norm and the LM head."""
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], fingerprint: str,
                  device: str = "cpu", dtype: torch.dtype = torch.float32, prefill_chunk_tokens: int = 256,
-                 plan: ShardPlan = SINGLE_PLAN, comm: Comm = LOCAL):
+                 plan: ShardPlan = SINGLE_PLAN, comm: Comm = LOCAL, layers: range | None = None):
         self.cfg, self.fingerprint, self.device, self.dtype = cfg, fingerprint, device, dtype
+        self.layers = layers if layers is not None else range(cfg.num_hidden_layers)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.plan, self.comm = plan, comm
         plan.shape.check(cfg)
@@ -86,11 +89,15 @@ class HybridModel:
         t = {n: v.to(device=device, dtype=torch.float32 if n.endswith(fp32_names) else dtype)
              for n, v in tensors.items()}
         self.vocab_lo, self.vocab_hi = plan.vocab_range(cfg.vocab_size)
-        self.embed = plan.column(t["model.embed_tokens.weight"], "model.embed_tokens.weight")
-        self.lm_head = self.embed if cfg.tie_word_embeddings else plan.column(linear_weight(t, "lm_head"), "lm_head")
+        first, last = self.layers.start == 0, self.layers.stop == cfg.num_hidden_layers
+        embed = plan.column(t["model.embed_tokens.weight"], "model.embed_tokens.weight")
+        self.embed = embed if first or (last and cfg.tie_word_embeddings) else None
+        lm_head = embed if cfg.tie_word_embeddings else (plan.column(linear_weight(t, "lm_head"), "lm_head")
+                                                          if last else None)
+        self.lm_head = lm_head if last else None
         self.final_norm = t["model.norm.weight"]
         self.rotary = Rotary(cfg.rope, cfg.qk_rope_head_dim, device) if cfg.rope is not None else None
-        self.blocks = [self._block(t, i) for i in range(cfg.num_hidden_layers)]
+        self.blocks = [self._block(t, i) for i in self.layers]
 
     def _block(self, t: dict[str, torch.Tensor], i: int) -> Block:
         cfg, p, plan = self.cfg, f"model.layers.{i}.", self.plan
@@ -164,7 +171,7 @@ class HybridModel:
             raise ValueError(f"request {seq.request_id}: {end} tokens need more than its {len(seq.pages)} pages")
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device)
         outs = []
-        prefixes = self._expanded_prefixes(cache, seq, end)
+        prefixes = self.expanded_prefixes(cache, seq, end)
         cuts = snapshot_at if self.cfg.cache_layout.has_state else ()
         for lo, hi in _chunks(start, end, chunk_tokens or self.prefill_chunk_tokens, cuts):
             hidden = self._prefill_chunk(cache, seq, ids[lo - start : hi - start], lo, on_layer, prefixes)
@@ -176,7 +183,7 @@ class HybridModel:
             outs.append(hidden if all_logits else hidden[-1:])
         return self.logits(torch.cat(outs) if all_logits else outs[-1])
 
-    def _expanded_prefixes(self, cache: CacheManager, seq: SequenceCache, end: int) -> dict[int, ExpandedPrefix]:
+    def expanded_prefixes(self, cache: CacheManager, seq: SequenceCache, end: int) -> dict[int, ExpandedPrefix]:
         """Per MLA layer, the expanded keys/values of the tokens already cached (a reused prefix
         or earlier calls), with room up to ``end``; the chunks of this call append to them."""
         prefixes = {}
@@ -190,8 +197,14 @@ class HybridModel:
 
     def _prefill_chunk(self, cache: CacheManager, seq: SequenceCache, ids: torch.Tensor, start: int,
                        on_layer: LayerHook | None, prefixes: dict[int, ExpandedPrefix]) -> torch.Tensor:
-        x = self.embed_tokens(ids)
-        end = start + ids.shape[0]
+        return self.forward_layers(cache, seq, self.embed_tokens(ids), start, on_layer, prefixes)
+
+    def forward_layers(self, cache: CacheManager, seq: SequenceCache, x: torch.Tensor, start: int,
+                       on_layer: LayerHook | None, prefixes: dict[int, ExpandedPrefix]) -> torch.Tensor:
+        """This model's layers over hidden states x [T, hidden] of tokens [start, start+T):
+        writes their cache rows and state, fires ``on_layer`` after each; returns the hidden
+        states after the last of them (a pipeline stage hands them to the next one)."""
+        end = start + x.shape[0]
         eps = self.cfg.rms_norm_eps
         angles = self._angles(torch.arange(start, end, device=self.device))
         for blk in self.blocks:

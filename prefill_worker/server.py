@@ -70,6 +70,7 @@ class PrefillService(igrpc.PrefillServicer):
             reuse_blocks=request.reuse.num_blocks, holder_rpc_address=request.reuse.holder_rpc_address,
             decode_address=request.decode_transfer_address, deadline_s=request.deadline_s or 60.0,
             grant=request.reuse.grant, grant_expiry_ms=request.reuse.grant_expiry_ms,
+            cpp_chunk_tokens=request.cpp_chunk_tokens,
         )
         try:
             out = self.runner.run(job, lambda: not context.is_active())

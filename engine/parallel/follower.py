@@ -24,6 +24,7 @@ from engine.parallel.ops import (
     gather_state,
     sync_prefix,
 )
+from engine.parallel.pipeline import StageLayers, follow_prefill
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +38,15 @@ class Follower:
         self._t_of = [shape.coords(r)[2] for r in range(shape.world_size)]
         self.caches: dict[int, CacheManager] = {}
         self.num_ops = 0
+        self.stages = [StageLayers.of(shard.cfg, shape.stage_layers(shard.cfg.num_hidden_layers, s))
+                       for s in range(shape.stages)]
 
     def run(self) -> None:
         """Serves ops until SHUTDOWN; ``GroupFailed`` when rank 0 (or another rank) is gone."""
         handlers = {Op.NEW_CACHE: self._new_cache, Op.DROP_CACHE: self._drop_cache,
-                    Op.PREFILL: self._prefill, Op.DECODE: self._decode}
+                    Op.PREFILL: self._prefill, Op.DECODE: self._decode,
+                    Op.CPP_PREFILL: lambda args: follow_prefill(self.shard, self.channel, self.stages, self.caches,
+                                                                args)}
         while True:
             h = self.channel.ints(None, HEADER_LEN)
             op, args = Op(h[0]), h[1:]

@@ -4,7 +4,8 @@ Owns ``RankSpec`` (what a rank needs to know: the model, the shape, its rank, th
 and ``join``, which every rank calls: it joins the instance's process group
 (``engine.parallel.group``), loads the model's full tensors and keeps this rank's share
 (``engine.load_model`` with the rank's ``ShardPlan`` and collectives), and returns rank 0's
-``GroupModel`` (the model the worker uses) or another rank's ``Follower`` (whose ``run``
+``GroupModel`` (the model the worker uses; a ``PipelineModel`` for a pipeline of stages, each
+rank then holding only its stage's layers) or another rank's ``Follower`` (whose ``run``
 serves rank 0's schedule). No threads or processes of its own.
 """
 
@@ -18,6 +19,7 @@ import torch
 from engine.parallel.follower import Follower
 from engine.parallel.group import Channel, GroupConfig, init_group
 from engine.parallel.leader import GroupModel
+from engine.parallel.pipeline import PipelineModel, StageLayers
 from engine.parallel.shape import ParallelShape
 from engine.parallel.shard import ShardPlan
 
@@ -37,19 +39,24 @@ class RankSpec:
         self.shape.coords(self.rank)
 
 
-def join(spec: RankSpec, on_failure: Callable[[str], None] | None = None) -> GroupModel | Follower:
+def join(spec: RankSpec, on_failure: Callable[[str], None] | None = None) -> GroupModel | PipelineModel | Follower:
     """Joins the group and builds this rank's share. ``on_failure``: rank 0's handler of a lost
     rank (``GroupModel.on_failure``). ValueError when the model does not split in this shape
     (checked before the rendezvous, so a bad shape fails every rank at once); GroupFailed
     when the rendezvous fails."""
     import engine  # the engine package imports this one's modules: import it late
 
-    spec.shape.check(engine.load_config(spec.model))
+    cfg = engine.load_config(spec.model)
+    spec.shape.check(cfg)
     comm = init_group(GroupConfig(spec.shape, spec.rank, spec.init_method, spec.backend, spec.timeout_s), spec.device)
-    shard = engine.load_model(spec.model, spec.device, spec.dtype, plan=ShardPlan(spec.shape, spec.rank), comm=comm)
+    plan = ShardPlan(spec.shape, spec.rank)
+    stages = [StageLayers.of(cfg, spec.shape.stage_layers(cfg.num_hidden_layers, s)) for s in range(spec.shape.stages)]
+    shard = engine.load_model(spec.model, spec.device, spec.dtype, plan=plan, comm=comm,
+                              layers=stages[plan.stage].layers)
     channel = Channel(spec.rank, spec.shape.world_size, spec.device)
     if spec.rank == 0:
-        model = GroupModel(shard, channel, on_failure)
+        model: GroupModel | PipelineModel = (PipelineModel(shard, channel, stages, on_failure) if spec.shape.stages > 1
+                                             else GroupModel(shard, channel, on_failure))
         model.tokenizer = shard.tokenizer
         return model
     return Follower(shard, channel)

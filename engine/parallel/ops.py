@@ -16,6 +16,8 @@ receives; both call the shared parts with the same arguments, which keeps them i
     DECODE      a = cache_id, batch, n_ints, n_copies
                 ints: per request (slot, num_tokens, token, sync, n_pages, pages...) | copies
                 then sync_prefix(num_tokens) of each request with sync set
+    CPP_PREFILL a = as PREFILL, then pipe_tokens; the stages exchange the rest point to point
+                (engine.parallel.pipeline)
     SHUTDOWN
 
 Copies are the copy-on-write page copies rank 0 made before the op (a shared page written
@@ -32,7 +34,7 @@ from engine.cache import CacheManager, SequenceCache
 from engine.parallel.group import Channel
 from engine.parallel.state import conv_part, merge_convs, merge_states, state_part
 
-HEADER_LEN = 10
+HEADER_LEN = 12
 ALL_LOGITS, SYNC = 1, 2  # PREFILL flags
 
 
@@ -42,6 +44,7 @@ class Op(enum.IntEnum):
     DROP_CACHE = 3
     PREFILL = 4
     DECODE = 5
+    CPP_PREFILL = 6  # a pipelined prefill through the stages (engine.parallel.pipeline)
 
 
 class PrefillAborted(Exception):

@@ -115,22 +115,57 @@ def _checks(group: GroupModel, ref: engine.HybridModel) -> dict[str, float | boo
     return result
 
 
+def _pipeline_checks(group, ref: engine.HybridModel) -> dict[str, float | bool]:
+    """A pipelined prefill instance (prefill only): logits and exported blocks, pipelined in
+    chunks and not, from scratch and after an imported prefix."""
+    prompt = _ids(9 * BLOCK + 7, ref.cfg.vocab_size, 3)
+    points = (3 * BLOCK, 6 * BLOCK, 9 * BLOCK)
+    result: dict[str, float | bool] = {}
+
+    def run(model, pipe: int, export: engine.CacheExport | None = None):
+        cache = model.new_cache(num_pages=64, num_slots=1, block_size=BLOCK)
+        seq = cache.try_reserve("p", len(prompt))
+        if export is not None:
+            engine.import_prefix(cache, seq, export)
+        kw = {"pipeline_chunk_tokens": pipe} if pipe else {}
+        logits = model.prefill(cache, seq, prompt[seq.num_tokens:], all_logits=True, chunk_tokens=CHUNK,
+                               snapshot_at=points, **kw)
+        exports = [engine.export_prefix(cache, seq, p) for p in points if p > (export.num_tokens if export else 0)]
+        return logits, exports
+
+    want, want_exports = run(ref, 0)
+    for name, pipe in (("pipelined", 2 * BLOCK + 5), ("one_chunk", 0)):
+        got, exports = run(group, pipe)
+        result[f"{name}_logits"] = _diff(got, want)
+        result[f"{name}_export"] = max(max(_diff(a.mla, b.mla), _diff(a.kda_state, b.kda_state),
+                                           _diff(a.kda_conv, b.kda_conv))
+                                       for a, b in zip(exports, want_exports, strict=True))
+    prefix = want_exports[0]
+    got, _ = run(group, 2 * BLOCK, prefix)
+    want, _ = run(ref, 0, prefix)
+    result["reuse_logits"] = _diff(got, want)
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--stages", type=int, default=1)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--init", required=True)
     p.add_argument("--out", default="")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
-    spec = RankSpec(args.model, ParallelShape(tp=args.tp, ep=args.ep), args.rank, args.init, timeout_s=120)
+    spec = RankSpec(args.model, ParallelShape(tp=args.tp, ep=args.ep, stages=args.stages), args.rank, args.init,
+                    timeout_s=120)
     member = join(spec)
     with torch.inference_mode():
-        if isinstance(member, GroupModel):
-            result = _checks(member, engine.load_model(args.model))
+        if args.rank == 0:
+            checks = _pipeline_checks if args.stages > 1 else _checks
+            result = checks(member, engine.load_model(args.model))
             member.close()
             with open(args.out, "w") as f:
                 json.dump(result, f)

@@ -56,12 +56,12 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def run_ranks(model: Path, tp: int, ep: int, tmp: Path, timeout_s: float = 240) -> dict:
-    world = tp * ep
+def run_ranks(model: Path, tp: int, ep: int, tmp: Path, timeout_s: float = 240, stages: int = 1) -> dict:
+    world = tp * ep * stages
     init = f"file://{tmp / 'rendezvous'}"
     out = tmp / "result.json"
     cmd = [sys.executable, "-m", "tests.engine.parallel_harness", "--model", str(model), "--tp", str(tp),
-           "--ep", str(ep), "--init", init, "--out", str(out)]
+           "--ep", str(ep), "--stages", str(stages), "--init", init, "--out", str(out)]
     procs = [subprocess.Popen([*cmd, "--rank", str(r)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(world)]
     try:
@@ -88,6 +88,20 @@ def test_parallel_matches_one_rank(arch, shape, checkpoints, tmp_path):
     assert result["greedy_len"] == result["seeded_len"] == 24
     if arch == "kimi":
         assert result["kda_heads_per_rank"] == KIMI.kda_num_heads // tp
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_pipeline_stages_match_one_rank(arch, stages, checkpoints, tmp_path):
+    """Chunked pipeline parallelism: each rank holds a range of layers; pipelined in chunks
+    that do not fall on block or snapshot boundaries, and as one chunk, and after a reused
+    prefix: logits and every exported block (the later stages' KDA state included) as one rank."""
+    result = run_ranks(checkpoints[arch], 1, 1, tmp_path, stages=stages)
+    for check, value in result.items():
+        assert value < TOLERANCE, f"{arch} stages={stages} {check}: max |diff| {value:.2e}"
+    assert set(result) == {"pipelined_logits", "pipelined_export", "one_chunk_logits", "one_chunk_export",
+                           "reuse_logits"}
 
 
 def test_layers_move_the_logits(checkpoints):
