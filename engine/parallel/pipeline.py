@@ -32,6 +32,7 @@ state. Prefill only: a pipelined instance does not decode. Thread-safe: one op a
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -47,6 +48,7 @@ from engine.parallel.group import Channel
 from engine.parallel.leader import _DeferredHook
 from engine.parallel.ops import ALL_LOGITS, SYNC, Op, apply_copies, header
 
+log = logging.getLogger(__name__)
 TAG_STRIDE = 8
 FINAL_TAG = 1 << 22
 STOP, DATA = 0, 1
@@ -216,6 +218,9 @@ class PipelineModel:
             self._send(Op.CPP_PREFILL, cache_id, seq.slot, start, n, len(seq.pages), len(points), chunk_tokens or 0,
                        flags, len(copies) // 2, plan.pipe_tokens,
                        ints=[*seq.pages, *map(int, token_ids), *points, *copies])
+            log.info("request %s: %d tokens %s over %d stages", seq.request_id, n,
+                     f"pipelined in chunks of {pipeline_chunk_tokens}" if pipeline_chunk_tokens else "in one chunk",
+                     len(self.stages))
             try:
                 if sync:
                     sync_stages(self.channel, cache, seq, start, canonical=True)
