@@ -45,6 +45,11 @@ PROC_POLL_S = 0.2
 _failing = threading.Lock()
 
 
+def failing() -> bool:
+    """True once this process is ending its instance (``fail_fast`` began)."""
+    return _failing.locked()
+
+
 def fail_fast(reason: str, deregister_instance: Callable[[str], object] | None) -> None:
     """Deregisters the instance (at most ~3 s) and ends this process with ``EXIT_RANK_LOST``;
     never returns. Concurrent callers: the first one does it, the others wait for the exit."""
