@@ -71,10 +71,11 @@ def _watch_key(config: WorkerConfig) -> bytes:
 
 
 def _leader_host(config: WorkerConfig) -> str:
-    """Where the other ranks reach rank 0: the rendezvous host, or (ranks of this host) its own."""
+    """Where the other ranks reach rank 0's watch: the rendezvous host, or loopback for ranks
+    rank 0 started on its own host (everything between them then stays on loopback)."""
     if config.dist_init.startswith("tcp://"):
         return urlsplit(config.dist_init).hostname or "127.0.0.1"
-    return config.advertised_host
+    return "127.0.0.1"
 
 
 class _LocalRanks:
@@ -84,6 +85,9 @@ class _LocalRanks:
     def __init__(self, config: WorkerConfig, role: str, worker_id: str, on_lost: Callable[[str], None]):
         self.dir = tempfile.mkdtemp(prefix="tidekv-ranks-")  # mode 0700: only this user meets here
         self.init_method = f"file://{self.dir}/rendezvous"
+        # The ranks' own connections (gloo's pairs, NCCL's bootstrap) on loopback, in every rank.
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(name, "lo")
         self._stopping = False
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, config.parallel_shape.world_size):
@@ -139,7 +143,8 @@ def instance_model(config: WorkerConfig, role: str, credential: WorkerCredential
     spec = RankSpec(config.model, shape, 0, init_method, config.device, timeout_s=config.dist_timeout_s)
     try:
         model = join(spec, on_failure=lost)
-        watch = RankWatch(config.host, _watch_key(config), credential.instance_id, shape.world_size - 1, lost)
+        watch_host = config.host if config.dist_init else "127.0.0.1"
+        watch = RankWatch(watch_host, _watch_key(config), credential.instance_id, shape.world_size - 1, lost)
         model.channel.ints([watch.port], 1)  # the ranks' first message after joining: where to watch rank 0
         watch.wait_joined(config.dist_timeout_s)
     except (GroupFailed, RuntimeError, ValueError):
