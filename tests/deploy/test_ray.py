@@ -230,8 +230,13 @@ def test_ray_parallel_instance_one_group_packed_restarts_whole(ray_head, referen
         before = next(r for r in cluster.reports() if r.name == "prefill-0-0")
         check_exact(cluster.endpoint, reference, salt=800)
         ray.kill(ray.get_actor("prefill-0-0-r1", namespace=NAMESPACE), no_restart=False)
-        wait_until(lambda: next((r for r in cluster.reports() if r.name == "prefill-0-0" and r.pid != before.pid
-                                 and r.ready), None), 150, "the instance restarted as a whole")
+        try:
+            wait_until(lambda: next((r for r in cluster.reports() if r.name == "prefill-0-0" and r.pid != before.pid
+                                     and r.ready), None), 150, "the instance restarted as a whole")
+        except AssertionError:
+            print("DIAG", before, cluster.reports(), ray.util.list_named_actors(all_namespaces=True),
+                  [(a["name"], a["state"], a.get("num_restarts")) for a in ray.util.state.list_actors()])
+            raise
         wait_until(lambda: "prefill-0-0" in cluster.registered(), 60, "the instance registered again")
         check_exact(cluster.endpoint, reference, salt=900)
     finally:
