@@ -173,7 +173,7 @@ class HybridModel:
         outs = []
         prefixes = self.expanded_prefixes(cache, seq, end)
         cuts = snapshot_at if self.cfg.cache_layout.has_state else ()
-        for lo, hi in _chunks(start, end, chunk_tokens or self.prefill_chunk_tokens, cuts):
+        for lo, hi in chunk_ranges(start, end, chunk_tokens or self.prefill_chunk_tokens, cuts):
             hidden = self._prefill_chunk(cache, seq, ids[lo - start : hi - start], lo, on_layer, prefixes)
             seq.num_tokens = hi
             for point in (p for p in snapshot_at if lo < p <= hi):  # == hi when there is state to cut for
@@ -263,7 +263,7 @@ class HybridModel:
         return self.logits(x)
 
 
-def _chunks(start: int, end: int, size: int, cuts: Sequence[int]) -> list[tuple[int, int]]:
+def chunk_ranges(start: int, end: int, size: int, cuts: Sequence[int]) -> list[tuple[int, int]]:
     """[lo, hi) ranges covering [start, end): at most ``size`` long, also cut at every ``cuts``."""
     bounds = sorted({c for c in cuts if start < c < end} | set(range(start + size, end, size)) | {end})
     out, lo = [], start

@@ -31,7 +31,7 @@ class GroupFailed(RuntimeError):
     no longer compute and must restart as a whole."""
 
 
-def _collective(fn, *args, **kwargs):
+def collective(fn, *args, **kwargs):
     """Runs one ``torch.distributed`` call; a lost peer (gloo and NCCL raise RuntimeError)
     becomes ``GroupFailed``."""
     try:
@@ -103,7 +103,7 @@ class DistComm(Comm):
             return x
         t0 = time.perf_counter()
         x = x.contiguous()
-        _collective(dist.all_reduce, x, group=group)
+        collective(dist.all_reduce, x, group=group)
         self.stats.add(kind, t0, x)
         return x
 
@@ -119,6 +119,6 @@ class DistComm(Comm):
         t0 = time.perf_counter()
         x = x.contiguous()
         parts: Sequence[torch.Tensor] = [torch.empty_like(x) for _ in range(self.tp_size)]
-        _collective(dist.all_gather, list(parts), x, group=self.tp_group)
+        collective(dist.all_gather, list(parts), x, group=self.tp_group)
         self.stats.add("gather_tp", t0, x)
         return torch.cat(list(parts), -1)

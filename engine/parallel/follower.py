@@ -24,7 +24,8 @@ from engine.parallel.ops import (
     gather_state,
     sync_prefix,
 )
-from engine.parallel.pipeline import StageLayers, follow_prefill
+from engine.parallel.pipeline import StageLayers
+from engine.parallel.pipeline_stage import follow_prefill
 
 log = logging.getLogger(__name__)
 

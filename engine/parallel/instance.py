@@ -19,7 +19,8 @@ import torch
 from engine.parallel.follower import Follower
 from engine.parallel.group import Channel, GroupConfig, init_group
 from engine.parallel.leader import GroupModel
-from engine.parallel.pipeline import PipelineModel, StageLayers
+from engine.parallel.pipeline import StageLayers
+from engine.parallel.pipeline_leader import PipelineModel
 from engine.parallel.shape import ParallelShape
 from engine.parallel.shard import ShardPlan
 

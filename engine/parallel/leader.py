@@ -172,7 +172,7 @@ class GroupModel:
         elif seq.num_tokens == 0:  # a fresh request starts from the zero state on every rank
             shard.slots.state[:, seq.slot].zero_()
             shard.slots.conv[:, seq.slot].zero_()
-        hook = _DeferredHook(on_layer)
+        hook = DeferredHook(on_layer)
 
         def chunk_done(lo: int, hi: int) -> None:
             self.channel.ints([1 if hook.raised else 0], 1)
@@ -226,7 +226,7 @@ class GroupModel:
             return logits
 
 
-class _DeferredHook:
+class DeferredHook:
     """Rank 0's layer hook: its first exception is kept (and no later layer is reported) until
     the chunk's end, where every rank stops together; raising mid-chunk would leave the other
     ranks waiting in the next collective."""
