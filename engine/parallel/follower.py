@@ -44,7 +44,7 @@ class Follower:
 
     def run(self) -> None:
         """Serves ops until SHUTDOWN; ``GroupFailed`` when rank 0 (or another rank) is gone."""
-        handlers = {Op.NEW_CACHE: self._new_cache, Op.DROP_CACHE: self._drop_cache,
+        handlers = {Op.NOOP: lambda args: None, Op.NEW_CACHE: self._new_cache, Op.DROP_CACHE: self._drop_cache,
                     Op.PREFILL: self._prefill, Op.DECODE: self._decode,
                     Op.CPP_PREFILL: lambda args: follow_prefill(self.shard, self.channel, self.stages, self.caches,
                                                                 args)}

@@ -56,8 +56,10 @@ def join(spec: RankSpec, on_failure: Callable[[str], None] | None = None) -> Gro
                               layers=stages[plan.stage].layers)
     channel = Channel(spec.rank, spec.shape.world_size, spec.device)
     if spec.rank == 0:
-        model: GroupModel | PipelineModel = (PipelineModel(shard, channel, stages, on_failure) if spec.shape.stages > 1
-                                             else GroupModel(shard, channel, on_failure))
+        keepalive_s = spec.timeout_s / 4  # the others wait for the next op at most the group's timeout
+        model: GroupModel | PipelineModel = (
+            PipelineModel(shard, channel, stages, on_failure, keepalive_s) if spec.shape.stages > 1
+            else GroupModel(shard, channel, on_failure, keepalive_s))
         model.tokenizer = shard.tokenizer
         return model
     return Follower(shard, channel)

@@ -22,15 +22,13 @@ meet at the seams:
 A layer hook that raises on rank 0 (the client left, a push failed) stops the prefill at the
 end of the chunk on every rank (one flag per chunk); the exception is then raised here. A
 failed collective (a rank died) raises ``GroupFailed`` and calls ``on_failure`` once: the
-worker takes the instance out of the cluster and ends it. Thread-safe: one op at a time.
+worker takes the instance out of the cluster and ends it (``engine.parallel.face``).
+Thread-safe: one op at a time.
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import logging
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -38,73 +36,40 @@ import torch
 
 from engine.cache import CacheManager, SequenceCache
 from engine.model import HybridModel, LayerHook
-from engine.parallel.group import Channel, GroupFailed
-from engine.parallel.ops import ALL_LOGITS, SYNC, Op, PrefillAborted, apply_copies, gather_state, header, sync_prefix
+from engine.parallel.comm import GroupFailed
+from engine.parallel.face import Face
+from engine.parallel.group import Channel
+from engine.parallel.ops import ALL_LOGITS, SYNC, Op, PrefillAborted, apply_copies, gather_state, sync_prefix
 
 log = logging.getLogger(__name__)
 
 
-class GroupModel:
+class GroupModel(Face):
     """``shard``: rank 0's own share of the model; ``channel``: its world. ``tokenizer`` is
     set by the loader, as on ``HybridModel``."""
 
-    def __init__(self, shard: HybridModel, channel: Channel, on_failure: Callable[[str], None] | None = None):
-        assert channel.is_leader
-        self.shard, self.channel, self.on_failure = shard, channel, on_failure
+    def __init__(self, shard: HybridModel, channel: Channel, on_failure: Callable[[str], None] | None = None,
+                 keepalive_s: float = 0.0):
+        super().__init__(channel, on_failure, keepalive_s)
+        self.shard = shard
         self.cfg, self.fingerprint, self.device, self.dtype = shard.cfg, shard.fingerprint, shard.device, shard.dtype
         self.prefill_chunk_tokens = shard.prefill_chunk_tokens
         self.tokenizer = None
         shape = shard.plan.shape
         self.tp = shape.tp
         self._t_of = [shape.coords(r)[2] for r in range(shape.world_size)]
-        self._lock = threading.RLock()
         self._caches: weakref.WeakKeyDictionary[CacheManager, tuple[int, CacheManager]] = weakref.WeakKeyDictionary()
-        self._next_cache_id = 1
-        self._dropped: collections.deque[int] = collections.deque()  # appended by finalizers, any thread
-        self._current: dict[int, weakref.ref] = {}  # id(seq) -> seq whose state every rank holds
-        self.failed = ""
 
     @property
     def plan(self):
         return self.shard.plan
-
-    # ---- ops ----------------------------------------------------------------------------------
-    def _send(self, op: Op, *args: int, ints: Sequence[int] = ()) -> None:
-        """Sends the pending cache drops, then this op's header and ints. Under the lock."""
-        if self.failed:
-            raise GroupFailed(f"this instance lost a rank earlier: {self.failed}")
-        try:
-            while self._dropped:
-                self.channel.ints(header(Op.DROP_CACHE, self._dropped.popleft()), len(header(Op.DROP_CACHE)))
-            h = header(op, *args)
-            self.channel.ints(h, len(h))
-            self.channel.ints(list(ints), len(ints))
-        except GroupFailed as e:
-            self._fail(e)
-            raise
-
-    def _fail(self, e: GroupFailed) -> None:
-        if not self.failed:
-            self.failed = str(e)
-            log.error("the instance lost a rank: %s", e)
-            if self.on_failure is not None:
-                self.on_failure(str(e))
-
-    def close(self) -> None:
-        """Tells every rank to stop (best effort: a lost rank cannot be told)."""
-        with self._lock:
-            if self.failed:
-                return
-            with contextlib.suppress(GroupFailed):
-                self._send(Op.SHUTDOWN)
-            self.failed = "closed"
 
     # ---- caches -------------------------------------------------------------------------------
     def new_cache(self, num_pages: int, num_slots: int, block_size: int) -> CacheManager:
         """A canonical cache (every head's KDA state), with its shard on every rank."""
         with self._lock:
             cache = CacheManager(self.cfg, num_pages, num_slots, block_size, self.dtype, self.device)
-            cache_id, self._next_cache_id = self._next_cache_id, self._next_cache_id + 1
+            cache_id = self._new_cache_id()
             self._send(Op.NEW_CACHE, cache_id, num_pages, num_slots, block_size)
             shard = self.shard.new_cache(1, num_slots, block_size)
             shard.pool = cache.pool  # one MLA pool: rank 0 computes its rows straight into the canonical pages
@@ -117,14 +82,6 @@ class GroupModel:
             return self._caches[cache]
         except KeyError:
             raise ValueError("this cache was not made by this instance's new_cache") from None
-
-    def _is_current(self, seq: SequenceCache) -> bool:
-        ref = self._current.get(id(seq))
-        return ref is not None and ref() is seq
-
-    def _mark_current(self, seq: SequenceCache) -> None:
-        key = id(seq)
-        self._current[key] = weakref.ref(seq, lambda _, key=key: self._current.pop(key, None))
 
     @staticmethod
     def _writable(cache: CacheManager, seq: SequenceCache, pages: range) -> list[int]:

@@ -18,7 +18,7 @@ receives; both call the shared parts with the same arguments, which keeps them i
                 then sync_prefix(num_tokens) of each request with sync set
     CPP_PREFILL a = as PREFILL, then pipe_tokens; the stages exchange the rest point to point
                 (engine.parallel.pipeline)
-    SHUTDOWN
+    NOOP, SHUTDOWN
 
 Copies are the copy-on-write page copies rank 0 made before the op (a shared page written
 by the op), which every other rank repeats in its own pool first.
@@ -45,6 +45,7 @@ class Op(enum.IntEnum):
     PREFILL = 4
     DECODE = 5
     CPP_PREFILL = 6  # a pipelined prefill through the stages (engine.parallel.pipeline)
+    NOOP = 7  # keeps idle ranks from timing out (engine.parallel.face)
 
 
 class PrefillAborted(Exception):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -23,9 +22,10 @@ import torch.distributed as dist
 from engine.cache import CacheManager, SequenceCache
 from engine.model import HybridModel, LayerHook
 from engine.parallel.comm import GroupFailed
+from engine.parallel.face import Face
 from engine.parallel.group import Channel
 from engine.parallel.leader import DeferredHook
-from engine.parallel.ops import ALL_LOGITS, SYNC, Op, header
+from engine.parallel.ops import ALL_LOGITS, SYNC, Op
 from engine.parallel.pipeline import (
     DATA,
     FINAL_TAG,
@@ -43,7 +43,7 @@ from engine.parallel.pipeline import (
 log = logging.getLogger(__name__)
 
 
-class PipelineModel:
+class PipelineModel(Face):
     """Rank 0 (stage 0) of a pipelined prefill instance, in the shape of ``HybridModel``'s
     prefill interface. ``stage``: rank 0's model (its layers, the embedding); ``stages``: every
     stage's layers, in order."""
@@ -52,54 +52,20 @@ class PipelineModel:
     pipelined = True
 
     def __init__(self, stage: HybridModel, channel: Channel, stages: Sequence[StageLayers],
-                 on_failure: Callable[[str], None] | None = None):
-        self.stage, self.channel, self.stages, self.on_failure = stage, channel, list(stages), on_failure
+                 on_failure: Callable[[str], None] | None = None, keepalive_s: float = 0.0):
+        super().__init__(channel, on_failure, keepalive_s)
+        self.stage, self.stages = stage, list(stages)
         self.cfg, self.fingerprint, self.device, self.dtype = stage.cfg, stage.fingerprint, stage.device, stage.dtype
         self.prefill_chunk_tokens = stage.prefill_chunk_tokens
         self.tokenizer = None
         self.plan = stage.plan
-        self._lock = threading.RLock()
         self._caches: weakref.WeakKeyDictionary[CacheManager, int] = weakref.WeakKeyDictionary()
-        self._next_cache_id = 1
-        self._dropped: collections.deque[int] = collections.deque()
-        self._current: dict[int, weakref.ref] = {}
-        self.failed = ""
-
-    # ---- ops (as GroupModel) -------------------------------------------------------------------
-    def _send(self, op: Op, *args: int, ints: Sequence[int] = ()) -> None:
-        if self.failed:
-            raise GroupFailed(f"this instance lost a rank earlier: {self.failed}")
-        try:
-            while self._dropped:
-                h = header(Op.DROP_CACHE, self._dropped.popleft())
-                self.channel.ints(h, len(h))
-            h = header(op, *args)
-            self.channel.ints(h, len(h))
-            self.channel.ints(list(ints), len(ints))
-        except GroupFailed as e:
-            self._fail(e)
-            raise
-
-    def _fail(self, e: GroupFailed) -> None:
-        if not self.failed:
-            self.failed = str(e)
-            if self.on_failure is not None:
-                self.on_failure(str(e))
-
-    def close(self) -> None:
-        with self._lock:
-            if not self.failed:
-                try:
-                    self._send(Op.SHUTDOWN)
-                except GroupFailed:
-                    return
-                self.failed = "closed"
 
     def new_cache(self, num_pages: int, num_slots: int, block_size: int) -> CacheManager:
         """A canonical cache of every layer (rank 0's); each later stage keeps its own."""
         with self._lock:
             cache = CacheManager(self.cfg, num_pages, num_slots, block_size, self.dtype, self.device)
-            cache_id, self._next_cache_id = self._next_cache_id, self._next_cache_id + 1
+            cache_id = self._new_cache_id()
             self._send(Op.NEW_CACHE, cache_id, num_pages, num_slots, block_size)
             self._caches[cache] = cache_id
             weakref.finalize(cache, self._dropped.append, cache_id)
@@ -132,8 +98,7 @@ class PipelineModel:
                 cache.ensure_writable(seq, i)
                 if seq.pages[i] != before:
                     copies += [before, seq.pages[i]]
-            ref = self._current.get(id(seq))
-            sync = start > 0 and (ref is None or ref() is not seq)
+            sync = start > 0 and not self._is_current(seq)
             points = tuple(sorted({int(p) for p in snapshot_at if start < p <= end}))
             plan = PrefillPlan(start, end, pipeline_chunk_tokens or n, chunk_tokens, points, all_logits)
             flags = (ALL_LOGITS if all_logits else 0) | (SYNC if sync else 0)
@@ -150,8 +115,7 @@ class PipelineModel:
             except GroupFailed as e:
                 self._fail(e)
                 raise
-            key = id(seq)
-            self._current[key] = weakref.ref(seq, lambda _, key=key: self._current.pop(key, None))
+            self._mark_current(seq)
             return logits
 
 

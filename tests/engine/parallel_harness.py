@@ -156,12 +156,18 @@ def main() -> None:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--init", required=True)
     p.add_argument("--out", default="")
+    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--idle-s", type=float, default=0.0, help="rank 0 waits this long before the checks")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     spec = RankSpec(args.model, ParallelShape(tp=args.tp, ep=args.ep, stages=args.stages), args.rank, args.init,
-                    timeout_s=120)
+                    timeout_s=args.timeout_s)
     member = join(spec)
+    if args.rank == 0 and args.idle_s:
+        import time
+
+        time.sleep(args.idle_s)
     with torch.inference_mode():
         if args.rank == 0:
             checks = _pipeline_checks if args.stages > 1 else _checks

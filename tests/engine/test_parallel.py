@@ -56,12 +56,13 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def run_ranks(model: Path, tp: int, ep: int, tmp: Path, timeout_s: float = 240, stages: int = 1) -> dict:
+def run_ranks(model: Path, tp: int, ep: int, tmp: Path, timeout_s: float = 240, stages: int = 1,
+              extra: tuple[str, ...] = ()) -> dict:
     world = tp * ep * stages
     init = f"file://{tmp / 'rendezvous'}"
     out = tmp / "result.json"
     cmd = [sys.executable, "-m", "tests.engine.parallel_harness", "--model", str(model), "--tp", str(tp),
-           "--ep", str(ep), "--stages", str(stages), "--init", init, "--out", str(out)]
+           "--ep", str(ep), "--stages", str(stages), "--init", init, "--out", str(out), *extra]
     procs = [subprocess.Popen([*cmd, "--rank", str(r)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(world)]
     try:
@@ -102,6 +103,13 @@ def test_pipeline_stages_match_one_rank(arch, stages, checkpoints, tmp_path):
         assert value < TOLERANCE, f"{arch} stages={stages} {check}: max |diff| {value:.2e}"
     assert set(result) == {"pipelined_logits", "pipelined_export", "one_chunk_logits", "one_chunk_export",
                            "reuse_logits"}
+
+
+def test_idle_ranks_outlive_the_group_timeout(checkpoints, tmp_path):
+    """Rank 0 idle for longer than the group's collective timeout (6 s): its keepalive ops keep
+    the other rank, waiting for the next op, from failing, and the checks then pass."""
+    result = run_ranks(checkpoints["k2"], 2, 1, tmp_path, extra=("--timeout-s", "6", "--idle-s", "10"))
+    assert result["greedy_equal"] and result["prompt_logits"] < TOLERANCE
 
 
 def test_layers_move_the_logits(checkpoints):
