@@ -21,6 +21,7 @@ Owns the process side of ``engine.parallel``:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -91,7 +92,9 @@ class _LocalRanks:
         self._stopping = False
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, config.parallel_shape.world_size):
-            args = argv_of(_with(config, rank=rank, dist_init=self.init_method, worker_id=worker_id, warmup=False))
+            rank_config = dataclasses.replace(config, rank=rank, dist_init=self.init_method, worker_id=worker_id,
+                                              warmup=False)
+            args = argv_of(rank_config)
             self.procs.append(subprocess.Popen([sys.executable, "-m", "runtime.ranks", "--role", role, *args],
                                                cwd=os.getcwd(), env={**os.environ, "TIDEKV_RANK_PARENT": "1"}))
         threading.Thread(target=self._watch, args=(on_lost,), name="rank-procs", daemon=True).start()
@@ -104,7 +107,12 @@ class _LocalRanks:
                     return
             time.sleep(PROC_POLL_S)
 
+    def expect_exits(self) -> None:
+        """The ranks are being stopped: their exits are no loss."""
+        self._stopping = True
+
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Waits for the ranks to exit (killing what is left after ``timeout_s``)."""
         self._stopping = True
         until = time.monotonic() + timeout_s
         for p in self.procs:
@@ -114,12 +122,6 @@ class _LocalRanks:
                 p.kill()
                 p.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _with(config: WorkerConfig, **changes: Any) -> WorkerConfig:
-    import dataclasses
-
-    return dataclasses.replace(config, **changes)
 
 
 def instance_model(config: WorkerConfig, role: str, credential: WorkerCredential,
@@ -156,7 +158,7 @@ def instance_model(config: WorkerConfig, role: str, credential: WorkerCredential
     def close() -> None:
         watch.stopping()
         if local is not None:
-            local._stopping = True
+            local.expect_exits()
         model.close()  # every rank leaves its loop, closes its watch connection and exits 0
         watch.close(wait_s=10.0)
         if local is not None:
