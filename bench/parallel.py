@@ -94,9 +94,18 @@ def _throughput(model, num: int, n: int) -> dict:
 
 
 def _rank_main(args) -> None:
+    from engine.parallel.group import leave_group
+
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
     model = _model(args)
+    try:
+        _rank_work(args, model)
+    finally:
+        leave_group()  # gloo's threads must be gone before the interpreter exits
+
+
+def _rank_work(args, model) -> None:
     with torch.inference_mode():
         if hasattr(model, "run"):  # a follower
             model.run()
