@@ -15,6 +15,11 @@ Prints JSON with, for the built-in ``tiny`` model (6 layers: 2 KDA + 1 MLA per s
   and one all-reduce per MoE layer combines them (``engine.parallel.comm``); the figure shows
   what that all-reduce costs.
 
+- ``cluster`` (``--cluster``): the same CPP comparison through a real local cluster (Conductor,
+  one prefill instance, one decode instance, gRPC and the KV transfer): the client's TTFT of a
+  prompt of ``--cluster-prompt-tokens`` (the built-in model's limit is 8,192), CPP over 2 stages
+  against one prefill instance with 1 and with 2 threads.
+
 Each configuration runs in fresh processes, the configurations alternating repeat by repeat
 (``--repeats``) so that load from other processes hits them alike; medians with min and max.
 The machine's load average before and after is reported: the scaling ratios need both cores
@@ -139,6 +144,41 @@ def _run(args, task: str, threads: int, tp: int = 1, ep: int = 1, stages: int = 
         return json.loads(out.read_text())
 
 
+def _cluster_ttfts(args, prefill_args: tuple[str, ...], threads: int) -> list[float]:
+    """Client TTFTs of ``--repeats`` long prompts (each new: no reuse) through a local cluster
+    whose one prefill instance runs with ``prefill_args`` and ``threads``."""
+    from conductor.client import Client
+    from deploy.local import ClusterConfig, LocalCluster
+
+    n = args.cluster_prompt_tokens
+    pages = n // BLOCK + 8
+    config = ClusterConfig(
+        num_prefill=1, num_decode=1, model=args.model, prefill_nice=0,
+        prefill_args=("--block-size", str(BLOCK), "--snapshot-interval-blocks", str(SNAPSHOT_EVERY),
+                      "--num-pages", str(pages), "--threads", str(threads), *prefill_args),
+        decode_args=("--block-size", str(BLOCK), "--num-pages", str(pages + 64)))
+    with LocalCluster(config) as cluster:
+        client = Client(cluster.endpoint)
+        try:
+            client.generate(Client.request(_prompt(1024, 999), max_tokens=1))  # warm
+            return [client.generate(Client.request(_prompt(n, 1000 + i), max_tokens=1)).ttft_s
+                    for i in range(args.repeats)]
+        finally:
+            client.close()
+
+
+def _cluster(args) -> dict:
+    runs = {"one_instance_1_thread": _cluster_ttfts(args, (), 1),
+            "one_instance_2_threads": _cluster_ttfts(args, (), 2),
+            "cpp_2_stages_1_thread_each": _cluster_ttfts(
+                args, ("--cpp-stages", "2", "--cpp-chunk-tokens", str(args.cpp_chunk)), 1)}
+    ttft = {name: summary(r) for name, r in runs.items()}
+    piped = ttft["cpp_2_stages_1_thread_each"]["median_s"]
+    return {"prompt_tokens": args.cluster_prompt_tokens, "ttft": ttft,
+            "speedup_vs_1_thread": ttft["one_instance_1_thread"]["median_s"] / piped,
+            "speedup_vs_2_threads": ttft["one_instance_2_threads"]["median_s"] / piped}
+
+
 def _series(runs: list[dict], key: str) -> dict:
     return summary([r[key] for r in runs])
 
@@ -154,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cpp-chunk", type=int, default=1024)
     p.add_argument("--tp-prompts", type=int, default=4)
     p.add_argument("--tp-tokens", type=int, default=2048)
+    p.add_argument("--cluster", action="store_true", help="also the CPP comparison through a real local cluster")
+    p.add_argument("--cluster-prompt-tokens", type=int, default=8000)
     # a rank's own flags
     p.add_argument("--task", default="ttft")
     p.add_argument("--threads", type=int, default=1)
@@ -169,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.quick:
         args.repeats, args.prompt_tokens, args.tp_tokens, args.tp_prompts = 1, 4096, 1024, 2
+        args.cluster_prompt_tokens = min(args.cluster_prompt_tokens, 2048)
     load_before = os.getloadavg()
     configs = {
         "cpp": {"one_instance_1_thread": ("ttft", 1, {}), "one_instance_2_threads": ("ttft", 2, {}),
@@ -203,6 +246,9 @@ def main(argv: list[str] | None = None) -> None:
                "ep_dispatch": "all-gather style: tokens on every rank, experts partitioned, one all-reduce "
                               "combines (comm_share of ep2_1_thread_each is its cost)"},
     }
+    if args.cluster:
+        result["cluster"] = _cluster(args)
+    result["machine"]["load_avg_after"] = os.getloadavg()
     print(json.dumps(result, indent=2))
 
 
