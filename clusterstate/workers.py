@@ -34,10 +34,20 @@ class WorkerInfo:
     model_fingerprint: str = ""
     block_size: int = 0
     instance_id: str = ""
+    # The instance's parallel shape (engine.parallel.shape): a group of ranks registered once.
+    tp_size: int = 1
+    ep_size: int = 1
+    cpp_stages: int = 1  # prefill: chunked-pipeline stages (1: no pipeline)
+    cpp_chunk_tokens: int = 0  # prefill with cpp_stages > 1: the chunk a pipelined prompt is cut into
 
     def __post_init__(self) -> None:
         if not self.worker_id or ":" in self.worker_id or "/" in self.worker_id:
             raise ValueError(f"worker_id must be non-empty and contain no ':' or '/', got {self.worker_id!r}")
+        for name in ("tp_size", "ep_size", "cpp_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cpp_stages > 1 and self.cpp_chunk_tokens < 1:
+            raise ValueError(f"a pipeline of {self.cpp_stages} stages needs cpp_chunk_tokens >= 1")
         for name in ("num_pages_total", "dram_capacity_bytes", "ssd_capacity_bytes", "block_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

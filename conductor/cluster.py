@@ -149,6 +149,16 @@ class Cluster:
         self.log.publish(entry(self.replica_id, self.state.now(), heartbeat=change))
         return True
 
+    def deregister(self, worker_id: str, reason: str) -> bool:
+        """The worker instance leaves now (a rank of its group died): out of the log's state,
+        with its blocks, as an expired lease would take it. False when it is not alive."""
+        if self.state.worker(worker_id) is None:
+            return False
+        self.log.publish(entry(self.replica_id, self.state.now(),
+                               removed=spb.RemovedEntry(worker_id=worker_id, reason=reason[:500])))
+        log.warning("worker %s deregistered: %s", worker_id, reason)
+        return True
+
     def apply_events(self, events: Sequence[BlockEvent]) -> None:
         """Blocks a prefill stored (from its Prefill response), into the log at once."""
         by_worker: dict[str, list[ipb.BlockEvent]] = {}

@@ -295,7 +295,8 @@ class RequestLife:
         self._on_cancel(release)
         timeout_s = prefill_timeout_s(self.prefill_timeout_s, decision.predicted.ttft_s)
         call = PrefillCall(rid, facts.prompt_ids, params, keys, decision.reuse.num_blocks, address,
-                           self._call_timeout_s(), decision.reuse.holder or "", timeout_s=timeout_s)
+                           self._call_timeout_s(), decision.reuse.holder or "", timeout_s=timeout_s,
+                           cpp_chunk_tokens=decision.cpp_chunk_tokens)
         if not self._started:
             self.t.prefill_start = self.clock.now()
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from conductor.cpp import unit_prefill_s
 from conductor.routing import (
     ClusterSnapshot,
     DecodeJob,
@@ -61,8 +62,8 @@ class PrefillOption(NamedTuple):
 def queue_s(worker: WorkerView, costs: CostModels) -> float:
     """Predicted seconds until ``worker`` can start a new prefill (its jobs run one at a time),
     at the worker's observed speed (``WorkerView.slowdown``)."""
-    return sum(max(0.0, costs.prefill_s(j.num_new_tokens, j.num_reused_tokens) * worker.slowdown - j.elapsed_s)
-               for j in worker.prefill_jobs)
+    return sum(max(0.0, unit_prefill_s(costs, worker, j.num_new_tokens, j.num_reused_tokens) * worker.slowdown
+                   - j.elapsed_s) for j in worker.prefill_jobs)
 
 
 def num_holders(snapshot: ClusterSnapshot, request: RouteRequest, num_blocks: int) -> int:
@@ -93,13 +94,15 @@ def prefill_options(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cos
         wait = queue_s(w, costs)
         branch = RouteBranch.LOCAL if local else RouteBranch.COLD
         options.append(PrefillOption(w, ReusePlan(local, None), branch, wait, 0.0,
-                                     costs.prefill_s(n - local * bs, local * bs) * w.slowdown))
+                                     unit_prefill_s(costs, w, n - local * bs, local * bs) * w.slowdown))
         if may_replicate and best.worker_id != w.worker_id and best_blocks > config.balancing_threshold * local:
             backend = w.transfer_backend
             if backend not in pull_s_of:
                 pull_s_of[backend] = costs.pull_s(best_blocks * bs, 1, backend=backend, tier=pull_tier)
+            pull_prefill = (pull_prefill_s if w.cpp_stages <= 1
+                            else unit_prefill_s(costs, w, n - best_blocks * bs, best_blocks * bs))
             options.append(PrefillOption(w, pull_plan, RouteBranch.PULL, wait, pull_s_of[backend],
-                                         pull_prefill_s * w.slowdown))
+                                         pull_prefill * w.slowdown))
     return options
 
 

@@ -100,6 +100,8 @@ class WorkerView:
     usable_blocks: int = 0  # prefill only: deepest reusable prefix (blocks) held for THIS request
     usable_tier: Tier | None = None  # slowest tier in that prefix
     slowdown: float = 1.0  # prefill only: observed / predicted prefill time lately (conductor.speed)
+    cpp_stages: int = 1  # prefill only: a chunked-pipeline group of this many stages (conductor.cpp)
+    cpp_chunk_tokens: int = 0  # its pipeline chunk
 
     def __post_init__(self) -> None:
         if type(self.role) is not WorkerRole:
@@ -214,6 +216,7 @@ class RouteDecision:
     reuse: ReusePlan
     branch: RouteBranch = RouteBranch.COLD
     predicted: Prediction = field(default_factory=Prediction)
+    cpp_chunk_tokens: int = 0  # a CPP group pipelines the prompt in chunks of this (0: not; conductor.cpp)
 
 
 @dataclass(frozen=True)
@@ -269,7 +272,10 @@ def make_policy(name: str, context: PolicyContext | None = None) -> Policy:
         raise ValueError(f"unknown routing policy {name!r}; registered: {', '.join(policy_names())}")
     context = context or PolicyContext()
     policy = _FACTORIES[name](context)
-    return policy if context.routing.pull_from_peers else _local_reuse_only(policy)
+    policy = policy if context.routing.pull_from_peers else _local_reuse_only(policy)
+    from conductor.cpp import with_pipeline
+
+    return with_pipeline(policy, context.costs)
 
 
 def _local_reuse_only(policy: Policy) -> Policy:

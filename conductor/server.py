@@ -15,6 +15,7 @@ import itertools
 import logging
 import math
 import threading
+from collections.abc import Callable, Sequence
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -91,6 +92,7 @@ def calibration_check(config: ConductorConfig, costs: CostModels):
 
 NEEDS = {"/tidekv.v1.Inference/Generate": Need.OPEN,  # API keys, checked by the servicer
          "/tidekv.v1.Registry/Register": Need.MEMBER, "/tidekv.v1.Registry/Heartbeat": Need.SESSION,
+         "/tidekv.v1.Registry/Deregister": Need.SESSION,
          "/tidekv.v1.Registry/Workers": Need.MEMBER, "/tidekv.v1.Registry/State": Need.MEMBER}
 
 
@@ -204,9 +206,13 @@ class InferenceService:
 
 
 class RegistryService(igrpc.RegistryServicer):
-    def __init__(self, cluster: Cluster, heartbeat_interval_s: float):
+    """``on_lost(worker_ids)``: gives up the calls in flight to workers that left."""
+
+    def __init__(self, cluster: Cluster, heartbeat_interval_s: float,
+                 on_lost: Callable[[Sequence[str]], None] = lambda ids: None):
         self.cluster = cluster
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.on_lost = on_lost
 
     def Register(self, request: ipb.RegisterRequest, context: grpc.ServicerContext) -> ipb.RegisterResponse:
         reason = self.cluster.register(request.info, current_principal(context))
@@ -225,6 +231,16 @@ class RegistryService(igrpc.RegistryServicer):
         except ValueError as e:  # a malformed load or event from the worker
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return ipb.HeartbeatResponse(known=known)
+
+    def Deregister(self, request: ipb.DeregisterRequest, context: grpc.ServicerContext) -> ipb.DeregisterResponse:
+        principal = current_principal(context)
+        if principal != worker_principal(request.worker_id):
+            refuse(context, AuthError(grpc.StatusCode.PERMISSION_DENIED,
+                                      f"{principal} may not deregister {request.worker_id}"), "Deregister")
+        removed = self.cluster.deregister(request.worker_id, request.reason or "deregistered")
+        if removed:
+            self.on_lost([request.worker_id])
+        return ipb.DeregisterResponse(removed=removed)
 
     def Workers(self, request: ipb.WorkersRequest, context: grpc.ServicerContext) -> ipb.WorkersResponse:
         resp = ipb.WorkersResponse()
@@ -291,7 +307,7 @@ class Conductor(ServiceBase):
         inference = InferenceService(config, core, dispatcher, admission, metrics, api_keys,
                                      live)
         metrics.watch(cluster, admission)
-        registry = RegistryService(cluster, config.heartbeat_interval_s)
+        registry = RegistryService(cluster, config.heartbeat_interval_s, dispatcher.workers_lost)
         self._running = start_server(
             [inference.add_to, lambda s: igrpc.add_RegistryServicer_to_server(registry, s)],
             ["tidekv.v1.Inference", "tidekv.v1.Registry"], config.host, config.port,

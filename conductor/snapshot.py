@@ -135,5 +135,6 @@ def build_snapshot(registry: Sequence[RegistryEntry], matches: MatchSnapshot | N
             transfer_address=entry.transfer_address, num_free_pages=entry.load.num_free_pages,
             num_running=entry.load.num_running, prefill_jobs=_prefill_jobs(entry, pending), usable_blocks=usable,
             usable_tier=m.slowest_usable_tier if usable else None, slowdown=slowdown.get(entry.worker_id, 1.0),
+            cpp_stages=entry.info.cpp_stages, cpp_chunk_tokens=entry.info.cpp_chunk_tokens,
         ))
     return ClusterSnapshot(tuple(prefill), tuple(decode), now_s, prefix_rate_per_s)

@@ -13,7 +13,6 @@ import logging
 
 import grpc
 
-import engine
 from decode_worker.config import DecodeConfig
 from decode_worker.metrics import DecodeMetrics
 from decode_worker.scheduler import DecodeScheduler, take_ready
@@ -28,6 +27,7 @@ from runtime.auth import Need
 from runtime.errors import Refusal
 from runtime.grpc_server import start_server
 from runtime.metrics import Identity, start_metrics
+from runtime.ranks import serve_rank
 from runtime.service import WorkerServiceBase, serve_until_signal
 from runtime.settings import parse_config, setup_torch
 
@@ -117,7 +117,7 @@ class DecodeWorker(WorkerServiceBase):
         self.metrics = start_metrics(cfg.host, cfg.metrics_port, identity=ident, advertise_host=cfg.advertised_host,
                                      tls=cfg.tls)
         self._closing.callback(self.metrics.stop)
-        model = engine.load_model(cfg.model, device=cfg.device)
+        model = self._load_model()
         self._scheduler = scheduler = DecodeScheduler(model, cfg.num_pages, cfg.num_slots, cfg.block_size,
                                                       cfg.max_batch, reservation_ttl_s=cfg.reservation_ttl_s,
                                                       metrics=DecodeMetrics(ident))
@@ -167,6 +167,9 @@ def build(config: DecodeConfig) -> DecodeWorker:
 def serve(argv: list[str] | None = None) -> None:
     """``tidekv serve --role decode``: flags and ``TIDEKV_*`` -> build -> serve until SIGTERM/SIGINT."""
     cfg = parse_config(DecodeConfig, argv, prog="tidekv serve --role decode")
+    if cfg.rank > 0:  # a rank of a parallel instance other than its face: no service of its own
+        serve_rank(cfg)
+        return
     try:
         worker = build(cfg)
     except ValueError as e:

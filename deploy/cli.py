@@ -94,10 +94,12 @@ def _ray_config(args: argparse.Namespace):
                                     api_keys=args.api_keys or conductor.api_keys)
     if not conductor.api_keys:
         conductor = dataclasses.replace(conductor, insecure_no_auth=True)
-    prefill = dataclasses.replace(parse_config(PrefillConfig, shlex.split(args.prefill_args), prog="--prefill-args"),
-                                  model=args.model)
-    decode = dataclasses.replace(parse_config(DecodeConfig, shlex.split(args.decode_args), prog="--decode-args"),
-                                 model=args.model)
+    prefill = parse_config(PrefillConfig, [*_shape_args(args, "prefill"), *shlex.split(args.prefill_args)],
+                           prog="--prefill-args")
+    prefill = dataclasses.replace(prefill, model=args.model)
+    decode = parse_config(DecodeConfig, [*_shape_args(args, "decode"), *shlex.split(args.decode_args)],
+                          prog="--decode-args")
+    decode = dataclasses.replace(decode, model=args.model)
     placements = {f"{role}_placement": Placement(args.ray_cpus, parse_resources(getattr(args, f"ray_{role}_resources")),
                                                  strategy)
                   for role, strategy in (("conductor", "PACK"), ("prefill", "PACK"), ("decode", "SPREAD"))}
@@ -199,6 +201,15 @@ def _model_files_for_up(args: argparse.Namespace) -> str:
     return str(model_files_dir(args.model, args.data_dir or None))
 
 
+def _shape_args(args: argparse.Namespace, role: str) -> tuple[str, ...]:
+    """The worker flags of ``tidekv up``'s parallel shape for ``role`` (each instance a group
+    of ranks: ``--tp``, ``--ep`` for both roles; ``--cpp-stages`` for prefill)."""
+    out = ("--tp", str(args.tp), "--ep", str(args.ep))
+    if role == "prefill" and args.cpp_stages > 1:
+        out += ("--cpp-stages", str(args.cpp_stages), "--cpp-chunk-tokens", str(args.cpp_chunk_tokens))
+    return out
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     if args.ray is None or args.calibration:
         args.calibration = _calibration_for_up(args)
@@ -210,6 +221,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.data_dir) if args.data_dir else new_up_run_dir()
     cluster = LocalCluster(ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, model=args.model,
+                                         prefill_args=_shape_args(args, "prefill"),
+                                         decode_args=_shape_args(args, "decode"),
                                          policy=args.policy, index=args.index, port=args.port,
                                          num_conductors=args.conductors,
                                          index_password_file=args.index_password_file,
@@ -328,6 +341,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "data dir; clients need its tls/ca.pem)")
     up.add_argument("--prometheus", default="", metavar="FILE",
                     help="write a Prometheus scrape config for this cluster's /metrics endpoints to FILE")
+    up.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per instance (prefill and decode)")
+    up.add_argument("--ep", type=int, default=1, help="expert-parallel ranks per instance (x --tp)")
+    up.add_argument("--cpp-stages", type=int, default=1, help="chunked pipeline parallelism: ranks (layer stages) "
+                                                              "per prefill instance")
+    up.add_argument("--cpp-chunk-tokens", type=int, default=1024, help="--cpp-stages: a pipelined prompt's chunk")
     _add_ray_flags(up)
     up.set_defaults(func=_cmd_up)
     scale = sub.add_parser("scale", help="resize a pool of a cluster on Ray (started with `tidekv up --ray`)")

@@ -73,6 +73,9 @@ class ClusterConfig:
     conductor_args: tuple[str, ...] = ()
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
+    # More flags for one process by name ("prefill-1": ("--tp", "2")), after its role's: instances
+    # of different parallel shapes in one cluster.
+    instance_args: dict[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
     env: dict[str, str] = field(default_factory=dict, hash=False)
     http_port: int = -1  # the OpenAI HTTP front: -1 none, 0 a free port
     num_conductors: int = 1  # > 1: replicas over one shared state (a store: index, or one started here)
@@ -297,11 +300,12 @@ class LocalCluster:
         for i in range(c.num_prefill):
             self._spawn(f"prefill-{i}", "prefill", [
                 "--conductor", self.endpoints, "--worker-id", f"prefill-{i}", "--model", c.model,
-                "--data-dir", str(self.data_dir / f"prefill-{i}"), *self._tls_args(), *c.prefill_args],
-                nice=c.prefill_nice)
+                "--data-dir", str(self.data_dir / f"prefill-{i}"), *self._tls_args(), *c.prefill_args,
+                *c.instance_args.get(f"prefill-{i}", ())], nice=c.prefill_nice)
         for i in range(c.num_decode):
             self._spawn(f"decode-{i}", "decode", ["--conductor", self.endpoints, "--worker-id", f"decode-{i}",
-                                                 "--model", c.model, *self._tls_args(), *c.decode_args])
+                                                 "--model", c.model, *self._tls_args(), *c.decode_args,
+                                                 *c.instance_args.get(f"decode-{i}", ())])
         try:
             self.wait_ready(timeout_s)
             if self.http_port > 0:

@@ -9,6 +9,14 @@ What runs where (names in the Ray namespace ``config.namespace``, "tidekv" by de
     decode-K-I           detached actor in bundle I of placement group "<ns>-decode-gK" (SPREAD)
     http                 detached actor: the OpenAI HTTP front (``openai_api``), unless num_http is 0
 
+A role whose config makes each instance a group of ranks (``--tp``/``--ep``/``--cpp-stages``,
+``runtime.ranks``) gets one placement group per instance, its bundles PACKed, one per rank:
+``ROLE-K-0`` (rank 0, the instance) in bundle 0 and ``ROLE-K-0-rN`` (a ``RankActor``) in bundle
+N. Rank 0 picks the rendezvous on its node (``tcp://NODE:PORT``) and starts in the background;
+the launcher then starts the other ranks with it. A lost rank ends its instance
+(``runtime.ranks.fail_fast``): every rank's actor exits, and Ray restarts each, which meet at the
+same rendezvous again: the instance restarts as a whole.
+
 Each actor is a ``RoleActor``: it builds its role's service (``build(config)``, see
 ``runtime.service``) and starts it in ``__init__``, so a restart by Ray (``max_restarts``)
 builds a fresh one, which registers with the Conductor again under the same worker id. Every
@@ -43,6 +51,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +67,7 @@ from openai_api.config import FrontConfig
 from prefill_worker.config import PrefillConfig
 from proto import internal_pb2 as ipb
 from runtime.auth import load_secret, new_secret
+from runtime.ports import free_port
 from runtime.settings import setup_torch
 
 NAMESPACE = "tidekv"
@@ -221,12 +231,25 @@ class RoleActor:
                 f.write(secret)
             config = dataclasses.replace(config, cluster_secret_file=secret_file)
         self.config = _placed(role, config, self.node_ip, namespace)
+        parallel = role in POOLS and self.config.parallel_shape.world_size > 1
+        if parallel:  # a rendezvous on this node, new at every (re)start; the ranks ask for it
+            self.config = dataclasses.replace(self.config, dist_init=f"tcp://{self.node_ip}:{free_port(self.node_ip)}")
         self.service = importlib.import_module(BUILDERS[role]).build(self.config)
-        self.service.start()
+        if parallel:  # the other ranks need the rendezvous before this one can finish starting
+            threading.Thread(target=self.service.start, name="instance-start", daemon=True).start()
+        else:
+            self.service.start()
 
     def secret(self) -> str:
         """The cluster secret (the conductor actor's, for workers added later)."""
         return self._secret
+
+    def dist_init(self) -> str:
+        """The rendezvous of this instance's ranks ("" for an instance of one rank, or while this
+        process is ending its instance: Ray's restart makes a new one)."""
+        from runtime.ranks import failing
+
+        return "" if failing() else getattr(self.config, "dist_init", "")
 
     def address(self) -> str:
         """The service's advertised address; a Conductor bound to a wildcard is dialled at its node's."""
@@ -273,9 +296,44 @@ class RoleActor:
             shutil.rmtree(self._secret_dir, ignore_errors=True)
 
 
+class RankActor:
+    """A rank other than 0 of a worker instance (``runtime.ranks.serve_rank``), following rank
+    0's schedule on a thread. It asks rank 0's actor (``leader``) for the rendezvous at every
+    (re)start; when the instance loses a rank this process exits, and Ray restarts it into the
+    instance's next start."""
+
+    def __init__(self, role: str, config: Any, secret: str, leader: str, namespace: str):
+        setup_torch(getattr(config, "threads", 0) or 1)
+        dist_init, until = "", time.monotonic() + 300
+        while not dist_init and time.monotonic() < until:  # "" from a rank 0 that is ending: wait for its restart
+            dist_init = ray.get(ray.get_actor(leader, namespace=namespace).dist_init.remote(), timeout=300)
+            time.sleep(0 if dist_init else 0.5)
+        config = dataclasses.replace(config, dist_init=dist_init)
+        self._secret_dir = tempfile.mkdtemp(prefix="tidekv-secret-")
+        secret_file = os.path.join(self._secret_dir, "cluster.secret")
+        with os.fdopen(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            f.write(secret)
+        self.config = dataclasses.replace(config, cluster_secret_file=secret_file)
+        from runtime.ranks import serve_rank
+
+        self._thread = threading.Thread(target=self._serve, args=(serve_rank,), name="rank", daemon=True)
+        self._thread.start()
+
+    def _serve(self, serve_rank: Any) -> None:
+        serve_rank(self.config)  # returns when rank 0 stopped the instance; the launcher then kills this actor
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+
 @functools.cache
 def _remote_role() -> Any:
     return ray.remote(RoleActor)
+
+
+@functools.cache
+def _remote_rank() -> Any:
+    return ray.remote(RankActor)
 
 
 def connect(address: str = "auto", namespace: str = NAMESPACE, **init_kwargs: Any) -> None:
@@ -376,6 +434,8 @@ class RayCluster:
                     remove_placement_group(pg)
 
     def _grow(self, role: str, num: int, live: dict[str, Any]) -> None:
+        if self.config.role_config(role).parallel_shape.world_size > 1:
+            return self._grow_instances(role, num)
         groups = self._groups(role)
         taken = {_slot(name) for name in live}
         slots = [(k, i) for k, pg in sorted(groups.items()) for i in range(pg.bundle_count) if (k, i) not in taken]
@@ -388,10 +448,36 @@ class RayCluster:
                                               groups[k], i) for k, i in slots}
         self._wait_ready(new, registered=True)
 
-    def _new_group(self, role: str, k: int, num: int) -> PlacementGroup:
+    def _grow_instances(self, role: str, num: int) -> None:
+        """``num`` instances of a parallel shape: a placement group each (one bundle per rank,
+        PACKed), rank 0 first, then the other ranks at its rendezvous."""
+        config = self.config.role_config(role)
+        world = config.parallel_shape.world_size
+        groups = self._groups(role)
+        new = {}
+        for k in range(max(groups, default=-1) + 1, max(groups, default=-1) + 1 + num):
+            groups[k] = pg = self._new_group(role, k, world, strategy="PACK")
+            name = f"{role}-{k}-0"
+            new[name] = self._actor(name, role, config, pg, 0)
+            rank_config = dataclasses.replace(config, worker_id=config.worker_id or name)
+            for rank in range(1, world):
+                self._rank_actor(f"{name}-r{rank}", role, dataclasses.replace(rank_config, rank=rank), pg, rank)
+        self._wait_ready(new, registered=True)
+
+    def _rank_actor(self, name: str, role: str, config: Any, pg: PlacementGroup, bundle: int) -> Any:
+        c, p = self.config, self.config.placement(role)
+        options: dict[str, Any] = dict(
+            name=name, namespace=self.ns, lifetime="detached", max_restarts=c.max_restarts, max_task_retries=0,
+            num_cpus=p.num_cpus, num_gpus=c.num_gpus(role), resources=dict(p.resources), **c.extra,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle))
+        return _remote_rank().options(**options).remote(role, config, self._secret(), name.rsplit("-r", 1)[0],
+                                                        self.ns)
+
+    def _new_group(self, role: str, k: int, num: int, strategy: str | None = None) -> PlacementGroup:
         p = self.config.placement(role)
         bundle = p.bundle(self.config.num_gpus(role))
-        pg = placement_group([bundle] * num, strategy=p.strategy, name=f"{self.ns}-{role}-g{k}", lifetime="detached")
+        pg = placement_group([bundle] * num, strategy=strategy or p.strategy, name=f"{self.ns}-{role}-g{k}",
+                             lifetime="detached")
         try:
             ray.get(pg.ready(), timeout=self.config.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -418,15 +504,19 @@ class RayCluster:
         return _remote_role().options(**options).remote(role, config, self.ns, secret, cluster)
 
     def _retire(self, actors: dict[str, Any], grace_s: float) -> None:
-        """Drain (in parallel), stop and kill ``actors``; one that is already gone is skipped."""
+        """Drain (in parallel), stop and kill ``actors`` (and their instances' other ranks, once
+        rank 0 has stopped them); one that is already gone is skipped."""
         if not actors:
             return
+        ranks = {n: ray.get_actor(n, namespace=self.ns) for n in self._names()
+                 if any(n.startswith(f"{a}-r") for a in actors)}
         for refs in ([a.drain.remote(grace_s) for a in actors.values()], [a.stop.remote() for a in actors.values()]):
             for ref in refs:  # one dead or stuck is ended by the kill below all the same
                 with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                     ray.get(ref, timeout=grace_s + 30)
-        for a in actors.values():
-            ray.kill(a, no_restart=True)
+        for a in [*actors.values(), *ranks.values()]:
+            with contextlib.suppress(ray.exceptions.RayActorError):
+                ray.kill(a, no_restart=True)
 
     # ---- state and readiness ------------------------------------------------------------------
     def reports(self) -> list[ActorReport]:

@@ -19,6 +19,8 @@ from engine.cache import CacheManager, SequenceCache
 from engine.checkpoint import CheckpointError, load_tensors, seeded_tensors
 from engine.config import BUILTIN_CONFIGS, TINY_SEED, ModelConfig
 from engine.model import HybridModel
+from engine.parallel.comm import LOCAL, Comm
+from engine.parallel.shard import SINGLE_PLAN, ShardPlan
 from engine.quant import PackedWeight
 from engine.sampler import SamplingParams, sample
 from engine.tiktoken_tokenizer import RANKS_FILE, TiktokenTokenizer
@@ -27,10 +29,14 @@ from engine.tokenizer import CharTokenizer, HFTokenizer
 DEFAULT_BLOCK_SIZE = 32
 
 
-def load_model(path_or_name: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> HybridModel:
+def load_model(path_or_name: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               plan: ShardPlan = SINGLE_PLAN, comm: Comm = LOCAL, layers: range | None = None) -> HybridModel:
     """A built-in model by name (``"tiny"``: Kimi Linear, ``"tiny-k2"``: DeepSeek-V3/K2; seeded
     weights) or a checkpoint directory with config.json + safetensors (architecture chosen by
     its ``model_type`` / ``architectures``).
+
+    ``plan``/``comm``/``layers``: one rank's share of a parallel instance (``engine.parallel``);
+    the fingerprint is the whole model's whatever the share.
 
     Raises CheckpointError / ValueError naming the offending key or tensor; nothing is built
     until every tensor has been checked. On CPU this turns on flush-to-zero for denormals
@@ -48,7 +54,7 @@ def load_model(path_or_name: str, device: str = "cpu", dtype: torch.dtype = torc
         tensors = load_tensors(Path(path_or_name), cfg)
         fingerprint = _fingerprint(cfg, tensors)
         tokenizer = load_tokenizer(path_or_name)
-    model = HybridModel(cfg, tensors, fingerprint, device=device, dtype=dtype)
+    model = HybridModel(cfg, tensors, fingerprint, device=device, dtype=dtype, plan=plan, comm=comm, layers=layers)
     model.tokenizer = tokenizer
     return model
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.linear import linear_weight
+from engine.parallel.shard import SINGLE_PLAN, ShardPlan, split
 
 DEFAULT_CHUNK_TOKENS = 64
 # On CPU a chunk of 16 runs the delta rule about five times faster than 64 at 256 tokens: the
@@ -57,27 +58,36 @@ class KDAWeights:
         return 3 * hd, d, hd // d, d
 
     @classmethod
-    def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str) -> KDAWeights:
+    def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str, plan: ShardPlan = SINGLE_PLAN) -> KDAWeights:
+        """The layer's weights; with a tensor-parallel ``plan``, this rank's heads: every
+        per-head projection (q, k, v, b, f_b, g_b), conv channel, decay and bias split by head,
+        o_proj by input columns; the low-rank f_a / g_a and the per-dim norm replicated."""
         g = lambda n: t[prefix + n]  # noqa: E731
-        names = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_a_proj")
+        heads = lambda n: plan.column(linear_weight(t, prefix + n), prefix + n)  # noqa: E731
+        w_in = [heads("q_proj"), heads("k_proj"), heads("v_proj"), linear_weight(t, prefix + "f_a_proj"),
+                heads("b_proj"), linear_weight(t, prefix + "g_a_proj")]
+        conv = [plan.column(g(n + ".weight"), prefix + n) for n in ("q_conv1d", "k_conv1d", "v_conv1d")]
         return cls(
-            w_in=torch.cat([linear_weight(t, prefix + n) for n in names], 0),
-            conv=torch.cat([g("q_conv1d.weight"), g("k_conv1d.weight"), g("v_conv1d.weight")], 0).squeeze(1),
-            w_o=linear_weight(t, prefix + "o_proj"),
-            a_neg=-g("A_log").float().reshape(-1, 1).exp(),
-            dt_bias=g("dt_bias").float(),
-            w_fb=linear_weight(t, prefix + "f_b_proj"),
-            w_gb=linear_weight(t, prefix + "g_b_proj"),
+            w_in=torch.cat(w_in, 0),
+            conv=torch.cat(conv, 0).squeeze(1),
+            w_o=plan.row(linear_weight(t, prefix + "o_proj"), prefix + "o_proj"),
+            a_neg=-split(g("A_log").float().reshape(-1), 0, plan.tp, plan.t, prefix + "A_log").reshape(-1, 1).exp(),
+            dt_bias=plan.column(g("dt_bias").float(), prefix + "dt_bias"),
+            w_fb=heads("f_b_proj"),
+            w_gb=heads("g_b_proj"),
             o_norm=g("o_norm.weight").float(),
         )
 
 
 class KDALayer:
-    """One KDA layer. Stateless itself: every call takes and returns the request state."""
+    """One KDA layer. Stateless itself: every call takes and returns the request state.
+    ``num_heads``: the heads it computes (a tensor-parallel rank's share; default all), whose
+    state and conv window the caller holds; the output is then a partial sum of o_proj."""
 
-    def __init__(self, cfg: ModelConfig, w: KDAWeights, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+    def __init__(self, cfg: ModelConfig, w: KDAWeights, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 num_heads: int = 0):
         self.w = w
-        self.num_heads, self.head_dim = cfg.kda_num_heads, cfg.kda_head_dim
+        self.num_heads, self.head_dim = num_heads or cfg.kda_num_heads, cfg.kda_head_dim
         self.eps = cfg.rms_norm_eps
         self.chunk_tokens = chunk_tokens
 

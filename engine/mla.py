@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.linear import linear_weight
+from engine.parallel.shard import SINGLE_PLAN, ShardPlan
 from engine.rope import Rotary
 
 LATENT_NORM_EPS = 1e-6
@@ -51,17 +52,22 @@ class MLAWeights:
     w_q_b: torch.Tensor | None = None  # [heads*(nope+rope), q_lora_rank]
 
     @classmethod
-    def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str, q_lora: bool = False) -> MLAWeights:
+    def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str, q_lora: bool = False,
+                     plan: ShardPlan = SINGLE_PLAN) -> MLAWeights:
+        """The layer's weights; with a tensor-parallel ``plan``, this rank's heads: the query
+        and ``kv_b_proj`` split by output rows (head-major), ``o_proj`` by input columns. The
+        latent projection and its norm (and the low-rank query's first half) are replicated,
+        so every rank computes the same cache rows."""
         low_rank = {}
         if q_lora:
             low_rank = dict(w_q_a=linear_weight(t, prefix + "q_a_proj"), q_norm=t[prefix + "q_a_layernorm.weight"],
-                            w_q_b=linear_weight(t, prefix + "q_b_proj"))
+                            w_q_b=plan.column(linear_weight(t, prefix + "q_b_proj"), prefix + "q_b_proj"))
         return cls(
-            w_q=None if q_lora else linear_weight(t, prefix + "q_proj"),
+            w_q=None if q_lora else plan.column(linear_weight(t, prefix + "q_proj"), prefix + "q_proj"),
             w_kv_a=linear_weight(t, prefix + "kv_a_proj_with_mqa"),
             kv_norm=t[prefix + "kv_a_layernorm.weight"],
-            w_kv_b=linear_weight(t, prefix + "kv_b_proj"),
-            w_o=linear_weight(t, prefix + "o_proj"),
+            w_kv_b=plan.column(linear_weight(t, prefix + "kv_b_proj"), prefix + "kv_b_proj"),
+            w_o=plan.row(linear_weight(t, prefix + "o_proj"), prefix + "o_proj"),
             **low_rank,
         )
 
@@ -70,12 +76,14 @@ class MLALayer:
     """One MLA layer; the cache lives in the caller's pages and is passed in as latent rows.
 
     ``angles`` arguments are the positions' rotary angles (``Rotary.angles``), None without RoPE.
+    ``num_heads``: the heads this layer computes (a tensor-parallel rank's share; default all).
+    The output is then this rank's partial sum of o_proj, which the caller reduces.
     """
 
-    def __init__(self, cfg: ModelConfig, w: MLAWeights, rotary: Rotary | None = None):
+    def __init__(self, cfg: ModelConfig, w: MLAWeights, rotary: Rotary | None = None, num_heads: int = 0):
         self.w = w
         self.rotary = rotary
-        self.heads = cfg.num_attention_heads
+        self.heads = num_heads or cfg.num_attention_heads
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.rank = cfg.kv_lora_rank
         self.scale = cfg.qk_head_dim**-0.5 * (cfg.rope.softmax_scale_factor if cfg.rope is not None else 1.0)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
+from engine.parallel.shard import SINGLE_PLAN, ShardPlan
 from engine.quant.ops import Weight, fused, linear, stacked
 
 
@@ -25,8 +26,13 @@ class MLPWeights:
     w_down: Weight  # [hidden, I]
 
     @classmethod
-    def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str) -> MLPWeights:
-        return cls(fused(t, [prefix + "gate_proj", prefix + "up_proj"]), fused(t, [prefix + "down_proj"]))
+    def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str, plan: ShardPlan = SINGLE_PLAN,
+                     over_stage: bool = False) -> MLPWeights:
+        """The MLP's weights; with a ``plan``, this rank's intermediate columns (gate/up split by
+        output rows, down by input columns) over the tp group, or over every rank of the stage
+        (``over_stage``: the shared experts). The output is then a partial sum."""
+        col, row = (plan.stage_column, plan.stage_row) if over_stage else (plan.column, plan.row)
+        return cls(fused(t, [prefix + "gate_proj", prefix + "up_proj"], col), fused(t, [prefix + "down_proj"], row))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = linear(x, self.w_gate_up).chunk(2, -1)
@@ -43,32 +49,41 @@ class MoEWeights:
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str, num_experts: int,
-                     names: tuple[str, str, str] = ("w1", "w3", "w2")) -> MoEWeights:
-        """``names``: each expert's (gate, up, down) projection, as the checkpoint calls them."""
+                     names: tuple[str, str, str] = ("w1", "w3", "w2"), plan: ShardPlan = SINGLE_PLAN) -> MoEWeights:
+        """``names``: each expert's (gate, up, down) projection, as the checkpoint calls them.
+        With a ``plan``: only this rank's experts (``plan.experts``, expert parallelism), each
+        split over the tp group like a dense MLP, and the shared experts split over the stage;
+        the router is replicated, so every rank routes every token the same way."""
         gate, up, down = names
-        e = [f"{prefix}experts.{i}." for i in range(num_experts)]
+        e = [f"{prefix}experts.{i}." for i in plan.experts(num_experts)]
         return cls(
             router=t[prefix + "gate.weight"].float(),
             bias=t[prefix + "gate.e_score_correction_bias"].float(),
-            w13=stacked([fused(t, [p + gate, p + up]) for p in e]),
-            w2=stacked([fused(t, [p + down]) for p in e]),
-            shared=MLPWeights.from_tensors(t, prefix + "shared_experts."),
+            w13=stacked([fused(t, [p + gate, p + up], plan.column) for p in e]),
+            w2=stacked([fused(t, [p + down], plan.row) for p in e]),
+            shared=MLPWeights.from_tensors(t, prefix + "shared_experts.", plan, over_stage=True),
         )
 
 
 class MoE:
-    def __init__(self, cfg: ModelConfig, w: MoEWeights):
+    """The routed experts and the shared ones. ``expert_start``: the global id of ``w``'s first
+    expert (expert parallelism holds ``len(w.w13)`` consecutive experts from there): pairs
+    routed to other ranks' experts are skipped, and the output is this rank's partial sum."""
+
+    def __init__(self, cfg: ModelConfig, w: MoEWeights, expert_start: int = 0):
         self.w = w
         self.top_k = cfg.num_experts_per_token
         self.num_experts = cfg.num_experts
+        self.expert_start, self.num_local = expert_start, len(w.w13)
         self.groups, self.topk_group = cfg.num_expert_group, cfg.topk_group
         self.renormalize = cfg.moe_renormalize
         self.scaling = cfg.routed_scaling_factor
         # Gathering expert weights copies them; it only beats one matmul per expert on
         # accelerators, where launches cost more than bytes. On CPU always group; quantized
-        # experts (a tuple of linears) always group too.
+        # experts (a tuple of linears) and a rank's share of the experts always group too.
         dense_accelerator = isinstance(w.w13, torch.Tensor) and w.w13.device.type != "cpu"
-        self.gather_max_pairs = cfg.num_experts if dense_accelerator else 0
+        partitioned = self.num_local != self.num_experts
+        self.gather_max_pairs = cfg.num_experts if dense_accelerator and not partitioned else 0
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Chosen experts [N, k] and their weights [N, k] (fp32) for x [N, hidden]."""
@@ -103,11 +118,17 @@ class MoE:
         return (y.view(n, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(1)
 
     def _grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Many tokens: sort (token, slot) pairs by expert, one matmul per expert with tokens."""
+        """Many tokens: sort (token, slot) pairs by expert, one matmul per expert with tokens.
+        Under expert parallelism only the pairs of this rank's experts (their local ids)."""
         n, k = idx.shape
-        flat = idx.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        flat = idx.reshape(-1) - self.expert_start
+        if self.num_local != self.num_experts:
+            mine = ((flat >= 0) & (flat < self.num_local)).nonzero().squeeze(1)  # pair indices
+            order = mine[flat[mine].argsort(stable=True)]
+            flat = flat[mine]
+        else:
+            order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_local).tolist()
         token_of = order // k
         xs = x[token_of]
         out = torch.empty_like(xs)

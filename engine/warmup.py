@@ -34,7 +34,7 @@ def warm_up(model: HybridModel, block_size: int, prefill_tokens: Sequence[int] =
             n = lengths[i % len(lengths)] if i < len(lengths) else block_size
             model.prefill(cache, seq, [(7 * j + i) % vocab for j in range(n)])
             seqs.append(seq)
-        for b in batch_sizes:
+        for b in batch_sizes if getattr(model, "supports_decode", True) else ():  # a pipelined instance prefills only
             model.decode_step(cache, seqs[:b], [1] * b)
         for seq in seqs:
             cache.release(seq)

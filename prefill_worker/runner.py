@@ -288,8 +288,10 @@ class PrefillRunner:
 
         bs = self.cache.block_size
         points = [(i + 1) * bs for i in self.snapshots.snapshot_points(len(job.token_ids) // bs)]
+        # A pipelined (CPP) instance cuts the prompt as the Conductor chose; others ignore it.
+        pipeline = {"pipeline_chunk_tokens": job.cpp_chunk_tokens} if getattr(self.model, "pipelined", False) else {}
         logits = self.model.prefill(self.cache, seq, job.token_ids[cached:],
-                                    snapshot_at=[p for p in points if p > cached], on_layer=on_layer)
+                                    snapshot_at=[p for p in points if p > cached], on_layer=on_layer, **pipeline)
         n = len(job.token_ids)
         first = sample(logits, [job.sampling], [n])[0]
         clock.lap("compute")

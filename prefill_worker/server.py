@@ -17,7 +17,6 @@ import threading
 
 import grpc
 
-import engine
 from kvstore.device import DeviceTier
 from kvstore.metrics import StoreMetrics
 from kvstore.store import StoreConfig, StoreEvent, TieredStore
@@ -33,6 +32,7 @@ from runtime.auth import AuthError, Need, WorkerCredential, check_grant, current
 from runtime.errors import Refusal
 from runtime.grpc_server import start_server
 from runtime.metrics import Identity, start_metrics
+from runtime.ranks import serve_rank
 from runtime.service import WorkerServiceBase, serve_until_signal
 from runtime.settings import parse_config, setup_torch
 
@@ -127,7 +127,7 @@ class PrefillWorker(WorkerServiceBase):
         self.metrics = start_metrics(cfg.host, cfg.metrics_port, identity=ident, advertise_host=cfg.advertised_host,
                                      tls=cfg.tls)
         self._closing.callback(self.metrics.stop)
-        model = engine.load_model(cfg.model, device=cfg.device)
+        model = self._load_model()
         mcfg = model.cfg
         state_bytes = mcfg.kda_num_heads * mcfg.kda_head_dim**2 * 4  # one KDA layer's state: one frame
         if cfg.max_frame_bytes < state_bytes:
@@ -195,6 +195,9 @@ def build(config: PrefillConfig) -> PrefillWorker:
 def serve(argv: list[str] | None = None) -> None:
     """``tidekv serve --role prefill``: flags and ``TIDEKV_*`` -> build -> serve until SIGTERM/SIGINT."""
     cfg = parse_config(PrefillConfig, argv, prog="tidekv serve --role prefill")
+    if cfg.rank > 0:  # a rank of a parallel instance other than its face: no service of its own
+        serve_rank(cfg)
+        return
     try:
         worker = build(cfg)
     except ValueError as e:

@@ -51,7 +51,8 @@ def worker_from_proto(info: ipb.WorkerInfo) -> WorkerInfo:
         raise ValueError(f"worker {info.worker_id}: role must be prefill or decode, got {info.role}")
     return WorkerInfo(info.worker_id, ROLES[info.role], info.rpc_address, info.num_pages_total,
                       info.dram_capacity_bytes, info.ssd_capacity_bytes, info.transfer_address,
-                      info.metrics_address, info.model_fingerprint, info.block_size, info.instance_id)
+                      info.metrics_address, info.model_fingerprint, info.block_size, info.instance_id,
+                      max(1, info.tp_size), max(1, info.ep_size), max(1, info.cpp_stages), info.cpp_chunk_tokens)
 
 
 def worker_to_proto(info: WorkerInfo) -> ipb.WorkerInfo:
@@ -59,7 +60,9 @@ def worker_to_proto(info: WorkerInfo) -> ipb.WorkerInfo:
                           transfer_address=info.transfer_address, model_fingerprint=info.model_fingerprint,
                           block_size=info.block_size, num_pages_total=info.num_pages_total,
                           dram_capacity_bytes=info.dram_capacity_bytes, ssd_capacity_bytes=info.ssd_capacity_bytes,
-                          metrics_address=info.metrics_address, instance_id=info.instance_id)
+                          metrics_address=info.metrics_address, instance_id=info.instance_id,
+                          tp_size=info.tp_size, ep_size=info.ep_size, cpp_stages=info.cpp_stages,
+                          cpp_chunk_tokens=info.cpp_chunk_tokens)
 
 
 def load_to_proto(load: WorkerLoad) -> ipb.WorkerLoad:
@@ -94,14 +97,15 @@ def prefill_call_to_proto(call: PrefillCall) -> ipb.PrefillRequest:
                           grant_expiry_ms=call.grant_expiry_ms)
     return ipb.PrefillRequest(request_id=call.placement_id, token_ids=call.token_ids,
                               sampling=sampling_to_proto(call.sampling), block_keys=call.block_keys, reuse=reuse,
-                              decode_transfer_address=call.decode_transfer_address, deadline_s=call.deadline_s)
+                              decode_transfer_address=call.decode_transfer_address, deadline_s=call.deadline_s,
+                              cpp_chunk_tokens=call.cpp_chunk_tokens)
 
 
 def prefill_call_from_proto(req: ipb.PrefillRequest, default_deadline_s: float) -> PrefillCall:
     return PrefillCall(req.request_id, tuple(req.token_ids), sampling_from_proto(req.sampling), tuple(req.block_keys),
                        req.reuse.num_blocks, req.decode_transfer_address, req.deadline_s or default_deadline_s,
                        req.reuse.holder_worker_id, req.reuse.holder_rpc_address, req.reuse.grant,
-                       req.reuse.grant_expiry_ms)
+                       req.reuse.grant_expiry_ms, cpp_chunk_tokens=req.cpp_chunk_tokens)
 
 
 def prefill_result_to_proto(result: PrefillResult, events: list[ipb.BlockEvent]) -> ipb.PrefillResponse:

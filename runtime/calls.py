@@ -31,6 +31,7 @@ class PrefillCall:
     grant: bytes = b""  # the Conductor's grant for the pull (runtime.auth.grant)
     grant_expiry_ms: int = 0
     timeout_s: float = math.inf  # the Conductor's bound on this attempt (not sent: STALLED past it)
+    cpp_chunk_tokens: int = 0  # a CPP group pipelines the prompt in chunks of this (0: not; conductor.cpp)
 
 
 @dataclass(frozen=True)

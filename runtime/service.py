@@ -27,6 +27,7 @@ from proto import internal_pb2 as ipb
 from runtime.auth import WorkerCredential
 from runtime.grpc_server import RunningServer, follow_readiness
 from runtime.metrics import MetricsServer
+from runtime.ranks import instance_model
 from runtime.worker_config import WorkerConfig
 from runtime.worker_link import WorkerLink
 
@@ -125,13 +126,33 @@ class WorkerServiceBase(ServiceBase):
         """The KV transfer endpoint's advertised address ("" before start)."""
         return self._transfer_address
 
+    def _load_model(self) -> HybridModel:
+        """This instance's model: the whole model, or for a parallel shape the face of its
+        group of ranks (``runtime.ranks``; the ranks stop with the service). A lost rank takes
+        the instance out of the registry and ends the process (``runtime.ranks.fail_fast``)."""
+        model, close = instance_model(self.config, self.role, self.credential, self._deregister)
+        self._closing.callback(close)
+        return model
+
+    def _deregister(self, reason: str) -> None:
+        if self._link is not None:
+            self._link.deregister(reason)
+
+    def _shape_info(self, info: ipb.WorkerInfo) -> ipb.WorkerInfo:
+        """``info`` with the instance's parallel shape."""
+        shape = self.config.parallel_shape
+        info.tp_size, info.ep_size, info.cpp_stages = shape.tp, shape.ep, shape.stages
+        if shape.stages > 1:
+            info.cpp_chunk_tokens = self.config.cpp_chunk_tokens
+        return info
+
     def _register(self, model: HybridModel, info: ipb.WorkerInfo, load: Callable[[], WorkerLoad],
                   **link_options: Any) -> None:
         """Warms up (unless the config says not to), then registers ``info`` with the Conductor
         and heartbeats ``load`` (``runtime.worker_link``); readiness follows ``ready``."""
         if self.config.warmup:
             log.info("warmed up in %.2f s", warm_up(model, self.config.block_size))
-        self._link = WorkerLink(self.config.conductor, info, load, self.credential, **link_options)
+        self._link = WorkerLink(self.config.conductor, self._shape_info(info), load, self.credential, **link_options)
         self._link.start()
         self._closing.callback(self._link.stop)
         assert self._running is not None

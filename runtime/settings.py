@@ -119,3 +119,21 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None, env: Mapping[s
         argparse.ArgumentParser(prog).error(str(e))
     args = parser.parse_args(list(argv or []))
     return cls(**vars(args))
+
+
+def argv_of(config: Any, only_changed: bool = True) -> list[str]:
+    """Flags that reproduce ``config`` (those that differ from the defaults, by default)."""
+    defaults = type(config)()
+    out: list[str] = []
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if only_changed and value == getattr(defaults, field.name):
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, tuple):
+            out += [flag, ",".join(value)]
+        else:
+            out += [flag, str(value)]
+    return out

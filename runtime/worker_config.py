@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine import DEFAULT_BLOCK_SIZE
+from engine.parallel.shape import ParallelShape
 from runtime.grpc_server import ServesConfig
 
 TRANSFER_BACKENDS = ("tcp", "shm", "ucx")
@@ -41,6 +42,18 @@ class WorkerConfig(ServesConfig):
     tls_cert: str = field(default="", metadata={"help": "PEM certificate: serve gRPC over TLS (with --tls-key)"})
     tls_key: str = field(default="", metadata={"help": "PEM private key of --tls-cert"})
     tls_ca: str = field(default="", metadata={"help": "PEM CA: dial the Conductor and peers over TLS, verified"})
+    # One instance over several ranks (engine.parallel, runtime.ranks): rank 0 is the instance.
+    tp: int = field(default=1, metadata={"help": "tensor-parallel ranks of this instance (heads, MLP columns, "
+                                                 "vocabulary split over them)"})
+    ep: int = field(default=1, metadata={"help": "expert-parallel ranks (routed experts split over them; "
+                                                 "composes with --tp: tp*ep ranks)"})
+    rank: int = field(default=0, metadata={"help": "this process's rank in its instance (0: the instance's gRPC "
+                                                   "face, which registers it; the others follow its schedule)"})
+    dist_init: str = field(default="", metadata={
+        "help": "rendezvous of the instance's ranks: tcp://HOST:PORT, rank 0 hosting it, every rank started by its "
+                "launcher; '' (default): rank 0 starts the other ranks on this host itself"})
+    dist_timeout_s: float = field(default=600.0, metadata={"help": "longest wait for the ranks to meet, and for "
+                                                                   "one collective"})
 
     def __post_init__(self) -> None:
         if self.num_pages < 1 or self.block_size < 1:
@@ -52,6 +65,14 @@ class WorkerConfig(ServesConfig):
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s {self.drain_timeout_s} < 0")
         self.tls  # noqa: B018 - tls_cert without tls_key fails here, naming both
+        self.parallel_shape.coords(self.rank)  # a bad shape or a rank outside it fails here, naming it
+        if self.dist_init and not self.dist_init.startswith(("tcp://", "file://")):
+            raise ValueError(f"dist_init {self.dist_init!r}: expected tcp://HOST:PORT or file:///PATH")
+
+    @property
+    def parallel_shape(self) -> ParallelShape:
+        """The instance's ranks: tp x ep (x pipeline stages for a prefill instance)."""
+        return ParallelShape(self.tp, self.ep, getattr(self, "cpp_stages", 1))
 
     def require_conductor(self) -> None:
         if not self.conductor:

@@ -78,6 +78,13 @@ class WorkerLink:
         for ch in self._channels:
             ch.close()
 
+    def deregister(self, reason: str, timeout_s: float = 2.0) -> bool:
+        """Stops heartbeating and takes this instance out of the registry now (a rank of its
+        group died); tries each Conductor address once within ``timeout_s``. True if one
+        answered. Safe to call from any thread, more than once."""
+        self._stop.set()
+        return deregister(self._addresses, self._credential, reason, timeout_s)
+
     def _connect_next(self) -> None:
         """Talk to the next Conductor address (the first one at start)."""
         for ch in self._channels:
@@ -144,3 +151,21 @@ class WorkerLink:
             with self._lock:
                 self._pending = events + self._pending
             self._registered = False
+
+
+def deregister(addresses: list[str], credential: WorkerCredential, reason: str, timeout_s: float = 2.0) -> bool:
+    """``Registry/Deregister`` of ``credential``'s instance at the first of ``addresses`` that
+    answers (every rank of a group holds the instance's credential, so any of them can)."""
+    per_call_s = max(0.2, timeout_s / max(1, len(addresses)))
+    for address in addresses:
+        ch = credential.member.channel(address, credential.session_key, audience=CONDUCTOR)
+        try:
+            igrpc.RegistryStub(ch).Deregister(ipb.DeregisterRequest(worker_id=credential.worker_id, reason=reason),
+                                              timeout=per_call_s)
+            log.warning("deregistered %s at %s: %s", credential.worker_id, address, reason)
+            return True
+        except grpc.RpcError as e:
+            log.warning("deregistering %s at %s failed: %s", credential.worker_id, address, e.code().name)
+        finally:
+            ch.close()
+    return False

@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,10 +23,12 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     return F.linear(x, w) if isinstance(w, torch.Tensor) else w(x)
 
 
-def fused(t: Mapping[str, torch.Tensor | PackedWeight], names: Sequence[str]) -> Weight:
+def fused(t: Mapping[str, torch.Tensor | PackedWeight], names: Sequence[str],
+          cut: Callable[[Any, str], Any] = lambda w, name: w) -> Weight:
     """The linear layers ``names`` (name prefixes, same input size) as one matmul: their weights'
-    rows concatenated in order."""
-    parts = [linear_weight(t, n) for n in names]
+    rows concatenated in order, each first ``cut(weight, name)`` (a rank's share of it:
+    ``engine.parallel.shard.ShardPlan.column`` or ``row``)."""
+    parts = [cut(linear_weight(t, n), n) for n in names]
     if all(isinstance(p, torch.Tensor) for p in parts):
         return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
     if all(isinstance(p, PackedWeight) for p in parts):

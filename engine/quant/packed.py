@@ -46,6 +46,20 @@ class PackedWeight:
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scale.nbytes
 
+    def narrow(self, dim: int, start: int, length: int) -> PackedWeight:
+        """Rows (``dim`` 0) or input columns (``dim`` 1) ``[start, start + length)`` of the dense
+        weight, as ``torch.Tensor.narrow`` (copied, so the whole weight can be freed): a tensor-
+        parallel rank's share. Columns must fall on whole scale groups."""
+        if dim == 0:
+            codes, scale = self.codes.narrow(0, start, length), self.scale.narrow(0, start, length)
+        elif start % self.group_size or length % self.group_size:
+            raise ValueError(f"{self.format} weight {list(self.shape)}: columns [{start}, {start + length}) do not "
+                             f"fall on its scale groups of {self.group_size}")
+        else:
+            codes = self.codes.narrow(1, start // 2, length // 2)
+            scale = self.scale.narrow(1, start // self.group_size, length // self.group_size)
+        return dataclasses.replace(self, codes=codes.contiguous().clone(), scale=scale.contiguous().clone())
+
     def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> PackedWeight:
         """Moved to ``device``, to be computed in ``dtype``; the codes and scales keep their types."""
         return dataclasses.replace(self, codes=self.codes.to(device), scale=self.scale.to(device),

@@ -46,6 +46,9 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dram-bytes", type=int, default=PrefillConfig.dram_bytes, help="DRAM tier per prefill worker")
     p.add_argument("--ssd-bytes", type=int, default=PrefillConfig.ssd_bytes, help="SSD tier per prefill worker")
     p.add_argument("--eviction", default="lru")
+    p.add_argument("--cpp-stages", type=int, default=1, help="each prefill worker a chunked-pipeline group of this "
+                                                             "many stages (conductor/cpp.py models it)")
+    p.add_argument("--cpp-chunk-tokens", type=int, default=PrefillConfig.cpp_chunk_tokens)
     p.add_argument("--snapshot-interval-blocks", type=int, default=PrefillConfig.snapshot_interval_blocks)
     p.add_argument("--decode-pages", type=int, default=DecodeConfig.num_pages, help="pages per decode worker")
     p.add_argument("--decode-slots", type=int, default=DecodeConfig.num_slots)
@@ -80,7 +83,8 @@ def sim_config(args: argparse.Namespace, **override) -> SimConfig:
                                 pull_from_peers=not v["no_pull"], max_running=v["max_running"],
                                 max_queued=v["max_queued"])
     prefill = PrefillConfig(device_bytes=v["device_bytes"], dram_bytes=v["dram_bytes"], ssd_bytes=v["ssd_bytes"],
-                            eviction=v["eviction"], snapshot_interval_blocks=v["snapshot_interval_blocks"])
+                            eviction=v["eviction"], snapshot_interval_blocks=v["snapshot_interval_blocks"],
+                            cpp_stages=int(v["cpp_stages"]), cpp_chunk_tokens=int(v["cpp_chunk_tokens"]))
     decode = DecodeConfig(num_pages=v["decode_pages"], num_slots=v["decode_slots"], max_batch=v["max_batch"])
     overheads = ClusterOverheads.load(v["overheads"]) if v.get("overheads") else ClusterOverheads()
     return SimConfig(int(v["prefill"]), int(v["decode"]), conductor, prefill, decode, overheads=overheads)

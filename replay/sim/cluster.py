@@ -41,8 +41,10 @@ class SimCluster:
         (self.prefill if is_prefill else self.decode)[worker.worker_id] = worker  # type: ignore[index]
         role = WorkerRole.PREFILL if is_prefill else WorkerRole.DECODE
         address = f"{worker.backend}://{worker.worker_id}" if is_prefill else f"tcp://{worker.worker_id}"
+        stages = getattr(worker.config, "cpp_stages", 1)
         info = WorkerInfo(worker.worker_id, role, f"sim://{worker.worker_id}", worker.config.num_pages,
-                          transfer_address=address)
+                          transfer_address=address, cpp_stages=stages,
+                          cpp_chunk_tokens=worker.config.cpp_chunk_tokens if stages > 1 else 0)
         self._infos[worker.worker_id] = info
         self.index.register(info)
         self._loads[worker.worker_id] = worker.load()

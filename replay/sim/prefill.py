@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from clusterstate.state import ClusterState
 from clusterstate.workers import PrefillJobLoad, WorkerLoad
+from conductor.cpp import one_chunk_from, pipelined_from
 from costmodel import CostModels
 from costmodel.overheads import NO_OVERHEADS, ClusterOverheads
 from kvstore.blocks import BlockKey, Tier
@@ -47,6 +48,7 @@ class SimPrefillJob:
     num_loaded_tokens: int = 0  # of those, copied into pages (pulled, or from DRAM or SSD): not in place
     pulled: bool = False
     worker_s: float = 0.0  # the worker's time for it (pull + prefill), once started
+    cpp_chunk_tokens: int = 0  # a CPP group pipelines it in chunks of this (the decision's; conductor.cpp)
 
     @property
     def planned_reused_tokens(self) -> int:
@@ -127,11 +129,22 @@ class SimPrefill:
         job.started_s = self.loop.now
         pull_s = self._reuse(job)
         n, reused = job.num_prompt_tokens, job.num_reused_tokens
-        job.worker_s = pull_s + self.overheads.worker_prefill_s(self.live_costs, n - reused, reused,
-                                                                job.num_loaded_tokens)
+        single_s = self.overheads.worker_prefill_s(self.live_costs, n - reused, reused, job.num_loaded_tokens)
+        job.worker_s = pull_s + self._stages_s(single_s, n - reused, job.cpp_chunk_tokens)
         self.num_busy_s += job.worker_s
         self.on_start(job)
         self.loop.at(self.loop.now + job.worker_s, self._finish, job)
+
+    def _stages_s(self, single_s: float, new_tokens: int, chunk_tokens: int) -> float:
+        """A CPP group's time for a prefill the single instance takes ``single_s`` for: pipelined
+        in the decision's chunks, or the stages in turn (``conductor.cpp``, the Conductor's own
+        prediction); a plain worker's is ``single_s``."""
+        stages = self.config.cpp_stages
+        if stages <= 1:
+            return single_s
+        if chunk_tokens:
+            return pipelined_from(single_s, self.live_costs.prefill_const_s, new_tokens, stages, chunk_tokens)
+        return one_chunk_from(single_s, stages)
 
     # ---- reuse, compute, store ----------------------------------------------------------------
     def _reuse(self, job: SimPrefillJob) -> float:

@@ -194,7 +194,7 @@ class Simulation:
         self.cluster.wake(decode)
         self.cluster.wake(prefill)
         job = SimPrefillJob(r.request_id, r.prompt_len, self.block_size, life.keys, decision.reuse.num_blocks,
-                            decision.reuse.holder)
+                            decision.reuse.holder, cpp_chunk_tokens=decision.cpp_chunk_tokens)
         self._after(self.config.overheads.dispatch_s, prefill.submit, job)
 
     def _after(self, delay_s: float, fn: Callable[..., None], *args) -> None:

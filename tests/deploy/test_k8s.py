@@ -395,9 +395,34 @@ def _endpoint_problems(ep: dict, services: list[dict]) -> list[str]:
     return problems
 
 
+def check_parallel_instances(objs: list[dict]) -> list[str]:
+    """A worker pod whose instance is a group of ranks (TIDEKV_TP x TIDEKV_EP x TIDEKV_CPP_STAGES
+    > 1) holds all of them: rank 0 starts the others in the pod (no TIDEKV_DIST_INIT), so on CUDA
+    it asks for one GPU per rank, and mounts a memory-backed /dev/shm for NCCL."""
+    problems = []
+    for role, workload, c in tidekv_containers(objs):
+        env = container_env(objs, c)
+        world = int(env.get("TIDEKV_TP", "1")) * int(env.get("TIDEKV_EP", "1")) * int(env.get("TIDEKV_CPP_STAGES", "1"))
+        if world == 1 or role == "conductor":
+            continue
+        name = workload["metadata"]["name"]
+        if env.get("TIDEKV_DIST_INIT"):
+            problems.append(f"{name}: TIDEKV_DIST_INIT set, but its other ranks are not started in the pod")
+        if env.get("TIDEKV_DEVICE", "cpu").startswith("cuda"):
+            gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", "0")
+            if int(gpus) != world:
+                problems.append(f"{name}: {world} ranks but a GPU limit of {gpus}")
+            template = workload["spec"]["template"]
+            if not any(v["name"] == m["name"] and v.get("emptyDir", {}).get("medium") == "Memory"
+                       for m in c.get("volumeMounts", []) if m["mountPath"] == "/dev/shm"
+                       for v in template["spec"].get("volumes", [])):
+                problems.append(f"{name}: {world} ranks over NCCL without a memory-backed /dev/shm")
+    return problems
+
+
 CHECKS: list[Callable[[list[dict]], list[str]]] = [
     check_containers, check_volumes, check_ports, check_grace_periods, check_network_policies, check_settings,
-    check_labels, check_service_monitors, check_credentials,
+    check_labels, check_service_monitors, check_credentials, check_parallel_instances,
 ]
 
 
@@ -491,6 +516,10 @@ MUTATIONS: dict[str, tuple[str, Callable[[list[dict]], object], Callable[[list[d
         "template"]["metadata"]["labels"].pop("tidekv.io/role"), check_labels),
     "scrapes a missing port": ("overlays/gpu", lambda o: _find(o, "ServiceMonitor", "tidekv")["spec"]["endpoints"][0]
                                .update(port="metric"), check_service_monitors),
+    "one GPU for two ranks": ("overlays/gpu-tp", lambda o: _container(o, "prefill")["resources"]["limits"].update(
+        {"nvidia.com/gpu": "1"}), check_parallel_instances),
+    "NCCL without /dev/shm": ("overlays/gpu-tp", lambda o: _container(o, "decode").update(volumeMounts=[
+        m for m in _container(o, "decode")["volumeMounts"] if m["mountPath"] != "/dev/shm"]), check_parallel_instances),
     "misspelled ServiceMonitor field": ("overlays/gpu", lambda o: _find(o, "ServiceMonitor", "tidekv")["spec"][
         "endpoints"][0].update(intervall="15s"), check_service_monitors),
 }

@@ -283,3 +283,40 @@ def test_conductor_replicas_on_ray_need_a_shared_store_and_ports_of_their_own():
     assert config.conductor_names == ("conductor", "conductor-1", "conductor-2")
     assert [(config.replica_config(r).port, config.replica_config(r).metrics_port) for r in range(3)] == [
         (50051, 9400), (50052, 9401), (50053, 9402)]
+
+
+def test_ray_parallel_instance_one_group_packed_restarts_whole(ray_head, reference):
+    """A TP=2 prefill instance on Ray: one placement group of two bundles, PACKed, rank 0 and its
+    rank actor in them; it registers once and serves token-exact. Its rank actor killed, the
+    instance ends (both actors exit), Ray restarts both, they meet again and it serves again."""
+    config = RayClusterConfig(
+        conductor=ConductorConfig(port=free_port(), policy="round_robin", worker_ttl_s=2.0, insecure_no_auth=True),
+        prefill=PrefillConfig(block_size=BLOCK, num_pages=256, drain_timeout_s=10, tp=2),
+        decode=DecodeConfig(block_size=BLOCK, num_pages=512, drain_timeout_s=10),
+        num_prefill=1, num_decode=1, namespace=NAMESPACE, ready_timeout_s=150,
+    )
+    cluster = RayCluster(config)
+    try:
+        cluster.start()
+        groups = [i for i in ray.util.placement_group_table().values()
+                  if i["name"] == f"{NAMESPACE}-prefill-g0" and i["state"] != "REMOVED"]
+        assert len(groups) == 1 and groups[0]["strategy"] == "PACK" and len(groups[0]["bundles"]) == 2
+        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE}
+        assert {"prefill-0-0", "prefill-0-0-r1", "decode-0-0"} <= names
+        assert cluster.registered() == {"prefill-0-0", "decode-0-0"}
+        before = next(r for r in cluster.reports() if r.name == "prefill-0-0")
+        check_exact(cluster.endpoint, reference, salt=800)
+        ray.kill(ray.get_actor("prefill-0-0-r1", namespace=NAMESPACE), no_restart=False)
+        try:
+            wait_until(lambda: next((r for r in cluster.reports() if r.name == "prefill-0-0" and r.pid != before.pid
+                                     and r.ready), None), 150, "the instance restarted as a whole")
+        except AssertionError:
+            print("DIAG", before, cluster.reports(), ray.util.list_named_actors(all_namespaces=True),
+                  [(a["name"], a["state"], a.get("num_restarts")) for a in ray.util.state.list_actors()])
+            raise
+        wait_until(lambda: "prefill-0-0" in cluster.registered(), 60, "the instance registered again")
+        check_exact(cluster.endpoint, reference, salt=900)
+    finally:
+        cluster.stop(grace_s=10)
+    named = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
+    assert not named, named
