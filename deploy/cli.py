@@ -239,31 +239,37 @@ def _cmd_up(args: argparse.Namespace) -> int:
           f"{cluster.log_dir}; state in {cluster.state_file}: `tidekv status`, or kill -USR1 {os.getpid()})",
           file=sys.stderr)
     with cluster:
-        http = f", OpenAI HTTP API {cluster.http_url}" if cluster.http_url else ""
-        print(f"tidekv cluster ready: endpoint {cluster.endpoints}{http}", flush=True)
-        print(f"model files: {_model_files_for_up(args)} (tokenizer and config for peer tools, e.g. "
-              f"aiperf --tokenizer)", file=sys.stderr)
-        from deploy.cluster_state import format_endpoints
-
-        print("\n".join(format_endpoints(cluster.addresses())), file=sys.stderr)
-        if not args.api_keys:
-            print("WARNING: the public endpoint takes no API key and trusts each request's tenant "
-                  "(--insecure-no-auth); give --api-keys FILE to require keys", file=sys.stderr)
-        if cluster.tls.ca:
-            print(f"TLS on every gRPC port, the HTTP front and the workers' /metrics; clients verify with "
-                  f"--tls-ca {cluster.tls.ca}", file=sys.stderr)
-        if args.prometheus:
-            from observe.prometheus import write_scrape_config
-
-            path = write_scrape_config(args.prometheus, cluster.metrics_addresses(), tls_ca=cluster.tls.ca)
-            print(f"Prometheus scrape config for this cluster: {path} (prometheus --config.file {path})",
-                  file=sys.stderr)
+        _report_ready(args, cluster)
         if args.demo:
             from deploy.demo import run_demo
 
             return run_demo(cluster.endpoint, tls_ca=cluster.tls.ca, api_key=os.environ.get("TIDEKV_API_KEY", ""))
         wait_for_signal("press Ctrl-C to stop")
     return 0
+
+
+def _report_ready(args: argparse.Namespace, cluster) -> None:
+    """What a user of a ready ``tidekv up`` needs: the endpoints (stdout), then every address,
+    the model files for peer tools, what is (not) protected and the scrape config (stderr)."""
+    from deploy.cluster_state import format_endpoints
+
+    http = f", OpenAI HTTP API {cluster.http_url}" if cluster.http_url else ""
+    print(f"tidekv cluster ready: endpoint {cluster.endpoints}{http}", flush=True)
+    print(f"model files: {_model_files_for_up(args)} (tokenizer and config for peer tools, e.g. "
+          f"aiperf --tokenizer)", file=sys.stderr)
+    print("\n".join(format_endpoints(cluster.addresses())), file=sys.stderr)
+    if not args.api_keys:
+        print("WARNING: the public endpoint takes no API key and trusts each request's tenant "
+              "(--insecure-no-auth); give --api-keys FILE to require keys", file=sys.stderr)
+    if cluster.tls.ca:
+        print(f"TLS on every gRPC port, the HTTP front and the workers' /metrics; clients verify with "
+              f"--tls-ca {cluster.tls.ca}", file=sys.stderr)
+    if args.prometheus:
+        from observe.prometheus import write_scrape_config
+
+        path = write_scrape_config(args.prometheus, cluster.metrics_addresses(), tls_ca=cluster.tls.ca)
+        print(f"Prometheus scrape config for this cluster: {path} (prometheus --config.file {path})",
+              file=sys.stderr)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -176,9 +176,6 @@ def serve_rank(config: WorkerConfig) -> None:
     setup_torch(config.threads or None)
     if not config.dist_init:
         raise SystemExit(f"rank {config.rank}: --dist-init is required (rank 0 starts its own ranks without it)")
-    if os.environ.get("TIDEKV_RANK_PARENT") == "1":  # a child of rank 0: it dies with it, even mid-start
-        parent = os.getppid()
-        threading.Thread(target=_exit_with_parent, args=(parent,), name="rank-parent", daemon=True).start()
     member = Member.from_config(config.cluster_secret_file, worker_principal(config.worker_id), config.tls)
     addresses = [a.strip() for a in config.conductor.split(",") if a.strip()]
     instance = {"id": ""}
@@ -186,6 +183,10 @@ def serve_rank(config: WorkerConfig) -> None:
     def deregister_instance(reason: str) -> None:
         if instance["id"]:
             deregister(addresses, WorkerCredential(member, config.worker_id, instance["id"]), reason)
+
+    if os.environ.get("TIDEKV_RANK_PARENT") == "1":  # a child of rank 0: it dies with it, even mid-start
+        threading.Thread(target=_exit_with_parent, args=(os.getppid(), deregister_instance), name="rank-parent",
+                         daemon=True).start()
 
     spec = RankSpec(config.model, config.parallel_shape, config.rank, config.dist_init, config.device,
                     timeout_s=config.dist_timeout_s)
@@ -206,10 +207,12 @@ def serve_rank(config: WorkerConfig) -> None:
     leave_group()
 
 
-def _exit_with_parent(parent: int) -> None:
+def _exit_with_parent(parent: int, deregister_instance: Callable[[str], object]) -> None:
+    """Ends this rank once its parent (rank 0) is gone, deregistering the instance first (the
+    watch connection's close may be noticed later, or not before this exit)."""
     while os.getppid() == parent:
         time.sleep(PROC_POLL_S)
-    os._exit(EXIT_RANK_LOST)
+    fail_fast("rank 0 of the instance is gone (its process ended)", deregister_instance)
 
 
 def main(argv: list[str] | None = None) -> None:
