@@ -211,6 +211,8 @@ class ResumableCall:
                 # A lone Conductor restarted by its supervisor comes back within seconds.
                 time.sleep(min(FAILOVER_BACKOFF_MAX_S, FAILOVER_BACKOFF_S * 2 ** (failovers - 1),
                                max(0.0, until - time.monotonic())))
+                if until - time.monotonic() < FAILOVER_BACKOFF_S:  # no time left for another try: this is
+                    raise  # the call's end, and its cause the failure, not the deadline a retry would hit
                 if sent:
                     self.num_resumed += 1
                     self.client.num_resumed += 1
