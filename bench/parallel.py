@@ -9,7 +9,9 @@ Prints JSON with, for the built-in ``tiny`` model (6 layers: 2 KDA + 1 MLA per s
   (the same cores).
 - ``tp``: prefill throughput of ``--tp-prompts`` prompts of ``--tp-tokens`` each, TP=2 (2
   processes, 1 thread each) against TP=1 with 1 thread (goal >= 1.6x) and 2 threads; the
-  decode step at batch 8 the same three ways; the share of TP=2's time in its collectives.
+  decode step at batch 8 the same three ways; the share of TP=2's time in its collectives. The
+  ranks of one host sum through shared memory (``engine.parallel.host_reduce``); TP=2 summing
+  with gloo over loopback (``tp2_1_thread_each_gloo_sums``) is the baseline for that choice.
 - ``ep``: the same prefill with EP=2. Dispatch is all-gather style: attention (here replicated)
   leaves every token on every rank, each rank runs its experts on the tokens routed to them,
   and one all-reduce per MoE layer combines them (``engine.parallel.comm``); the figure shows
@@ -59,7 +61,7 @@ def _model(args):
     shape = ParallelShape(tp=args.tp, ep=args.ep, stages=args.stages)
     if shape.is_single:
         return engine.load_model(args.model)
-    return join(RankSpec(args.model, shape, args.rank, args.init, timeout_s=300))
+    return join(RankSpec(args.model, shape, args.rank, args.init, timeout_s=300, host_sums=not args.gloo_sums))
 
 
 def _ttft(model, n: int, pipe: int) -> float:
@@ -127,7 +129,7 @@ def _rank_work(args, model) -> None:
 
 
 # ---- the driver --------------------------------------------------------------------------------
-def _run(args, task: str, threads: int, tp: int = 1, ep: int = 1, stages: int = 1) -> dict:
+def _run(args, task: str, threads: int, tp: int = 1, ep: int = 1, stages: int = 1, gloo: bool = False) -> dict:
     world = tp * ep * stages
     with tempfile.TemporaryDirectory(prefix="tidekv-bench-") as tmp:
         out = Path(tmp) / "result.json"
@@ -135,7 +137,7 @@ def _run(args, task: str, threads: int, tp: int = 1, ep: int = 1, stages: int = 
                "--tp", str(tp), "--ep", str(ep), "--stages", str(stages), "--init", f"file://{tmp}/rendezvous",
                "--out", str(out), "--model", args.model, "--prompt-tokens", str(args.prompt_tokens),
                "--cpp-chunk", str(args.cpp_chunk), "--tp-prompts", str(args.tp_prompts),
-               "--tp-tokens", str(args.tp_tokens)]
+               "--tp-tokens", str(args.tp_tokens), *(["--gloo-sums"] if gloo else [])]
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
         procs = [subprocess.Popen([*cmd, "--rank", str(r)], cwd=ROOT, env=env) for r in range(world)]
         codes = [p.wait(timeout=1800) for p in procs]
@@ -183,6 +185,28 @@ def _series(runs: list[dict], key: str) -> dict:
     return summary([r[key] for r in runs])
 
 
+def _cpp_report(args, runs: dict[str, list[dict]]) -> dict:
+    cpp = {name: _series(r, "ttft_s") for name, r in runs.items()}
+    base1, base2 = cpp["one_instance_1_thread"]["median_s"], cpp["one_instance_2_threads"]["median_s"]
+    piped = cpp["cpp_2_stages_1_thread_each"]["median_s"]
+    return {"prompt_tokens": args.prompt_tokens, "chunk_tokens": args.cpp_chunk, "ttft": cpp,
+            "speedup_vs_1_thread": base1 / piped, "speedup_vs_2_threads": base2 / piped, "goal_vs_1_thread": 1.6}
+
+
+def _tp_report(args, runs: dict[str, list[dict]]) -> dict:
+    tp = {name: {key: _series(r, key) for key in ("prefill_tokens_per_s", "decode_step_s", "comm_share")}
+          for name, r in runs.items()}
+    tput = {name: v["prefill_tokens_per_s"]["median_s"] for name, v in tp.items()}
+    return {"prompts": args.tp_prompts, "tokens_each": args.tp_tokens, "runs": tp,
+            "tp2_speedup_vs_1_thread": tput["tp2_1_thread_each"] / tput["tp1_1_thread"],
+            "tp2_speedup_vs_2_threads": tput["tp2_1_thread_each"] / tput["tp1_2_threads"],
+            "tp2_gloo_sums_speedup_vs_1_thread": tput["tp2_1_thread_each_gloo_sums"] / tput["tp1_1_thread"],
+            "ep2_speedup_vs_1_thread": tput["ep2_1_thread_each"] / tput["tp1_1_thread"],
+            "goal_vs_1_thread": 1.6,
+            "ep_dispatch": "all-gather style: tokens on every rank, experts partitioned, one all-reduce "
+                           "combines (comm_share of ep2_1_thread_each is its cost)"}
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m bench.parallel")
@@ -194,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cpp-chunk", type=int, default=1024)
     p.add_argument("--tp-prompts", type=int, default=4)
     p.add_argument("--tp-tokens", type=int, default=2048)
+    p.add_argument("--groups", default="cpp,tp", help="which comparisons to run: cpp, tp (with ep), or both")
     p.add_argument("--cluster", action="store_true", help="also the CPP comparison through a real local cluster")
     p.add_argument("--cluster-prompt-tokens", type=int, default=8000)
     # a rank's own flags
@@ -205,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--init", default="")
     p.add_argument("--out", default="")
+    p.add_argument("--gloo-sums", action="store_true", help="sum with gloo, not through shared memory")
     args = p.parse_args(argv)
     if args.mode == "rank":
         _rank_main(args)
@@ -217,35 +243,27 @@ def main(argv: list[str] | None = None) -> None:
         "cpp": {"one_instance_1_thread": ("ttft", 1, {}), "one_instance_2_threads": ("ttft", 2, {}),
                 "cpp_2_stages_1_thread_each": ("ttft", 1, {"stages": 2})},
         "tp": {"tp1_1_thread": ("throughput", 1, {}), "tp1_2_threads": ("throughput", 2, {}),
-               "tp2_1_thread_each": ("throughput", 1, {"tp": 2})},
+               "tp2_1_thread_each": ("throughput", 1, {"tp": 2}),
+               "tp2_1_thread_each_gloo_sums": ("throughput", 1, {"tp": 2, "gloo": True})},
         "ep": {"ep2_1_thread_each": ("throughput", 1, {"ep": 2})},
     }
+    wanted = set(args.groups.split(","))
+    configs = {g: c for g, c in configs.items() if g in wanted or (g == "ep" and "tp" in wanted)}
     runs: dict[str, dict[str, list[dict]]] = {g: {name: [] for name in c} for g, c in configs.items()}
     for rep in range(args.repeats):
         for group, cs in configs.items():
             for name, (task, threads, shape) in cs.items():
                 runs[group][name].append(_run(args, task, threads, **shape))
                 print(f"repeat {rep + 1}/{args.repeats}: {group} {name} done", file=sys.stderr, flush=True)
-    cpp = {name: _series(r, "ttft_s") for name, r in runs["cpp"].items()}
-    tp = {name: {key: _series(r, key) for key in ("prefill_tokens_per_s", "decode_step_s", "comm_share")}
-          for name, r in {**runs["tp"], **runs["ep"]}.items()}
-    base1, base2 = cpp["one_instance_1_thread"]["median_s"], cpp["one_instance_2_threads"]["median_s"]
-    piped = cpp["cpp_2_stages_1_thread_each"]["median_s"]
-    tput = {name: v["prefill_tokens_per_s"]["median_s"] for name, v in tp.items()}
-    result = {
+    result: dict = {
         "machine": {"cpus": os.cpu_count(), "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
                     "note": "a shared host: the ratios need both cores free (compare the load averages)"},
         "model": args.model, "repeats": args.repeats,
-        "cpp": {"prompt_tokens": args.prompt_tokens, "chunk_tokens": args.cpp_chunk, "ttft": cpp,
-                "speedup_vs_1_thread": base1 / piped, "speedup_vs_2_threads": base2 / piped, "goal_vs_1_thread": 1.6},
-        "tp": {"prompts": args.tp_prompts, "tokens_each": args.tp_tokens, "runs": tp,
-               "tp2_speedup_vs_1_thread": tput["tp2_1_thread_each"] / tput["tp1_1_thread"],
-               "tp2_speedup_vs_2_threads": tput["tp2_1_thread_each"] / tput["tp1_2_threads"],
-               "ep2_speedup_vs_1_thread": tput["ep2_1_thread_each"] / tput["tp1_1_thread"],
-               "goal_vs_1_thread": 1.6,
-               "ep_dispatch": "all-gather style: tokens on every rank, experts partitioned, one all-reduce "
-                              "combines (comm_share of ep2_1_thread_each is its cost)"},
     }
+    if "cpp" in runs:
+        result["cpp"] = _cpp_report(args, runs["cpp"])
+    if "tp" in runs:
+        result["tp"] = _tp_report(args, {**runs["tp"], **runs["ep"]})
     if args.cluster:
         result["cluster"] = _cluster(args)
     result["machine"]["load_avg_after"] = os.getloadavg()

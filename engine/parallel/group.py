@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from engine.parallel.comm import DistComm, GroupFailed
+from engine.parallel.host_reduce import open_host_reducer
 from engine.parallel.shape import ParallelShape
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class GroupConfig:
     init_method: str
     backend: str = ""  # "" -> gloo for cpu, nccl for cuda
     timeout_s: float = 300.0
+    host_sums: bool = True  # CPU groups on one host sum through shared memory (host_reduce)
 
     def backend_for(self, device: str) -> str:
         return self.backend or ("nccl" if torch.device(device).type == "cuda" else "gloo")
@@ -59,20 +61,36 @@ def init_group(config: GroupConfig, device: str = "cpu") -> DistComm:
                           f"at {config.init_method}: {e}") from e
     stage, e_index, _ = shape.coords(config.rank)
     tp_group = stage_group = None
+    tp_ranks: list[int] = []
+    stage_ranks: list[int] = []
     per_stage = shape.ranks_per_stage
     for s in range(shape.stages):  # every rank creates every group, in one order
         base = s * per_stage
         group = dist.new_group(list(range(base, base + per_stage))) if per_stage > 1 else None
         if s == stage:
-            stage_group = group
+            stage_group, stage_ranks = group, list(range(base, base + per_stage))
         for e in range(shape.ep):
             ranks = list(range(base + e * shape.tp, base + (e + 1) * shape.tp))
             group = dist.new_group(ranks) if shape.tp > 1 else None
             if s == stage and e == e_index:
-                tp_group = group
-    log.info("rank %d joined its instance (%s, backend %s, pid %d)", config.rank, shape.describe(),
-             config.backend_for(device), os.getpid())
-    return DistComm(tp_group, shape.tp, stage_group, per_stage)
+                tp_group, tp_ranks = group, ranks
+    hosts: dict[tuple[int, ...], object] = {}  # ranks -> their HostReducer (or None), one per set of ranks
+
+    def host(group, ranks: list[int]):
+        if group is None or not config.host_sums or torch.device(device).type != "cpu":
+            return None
+        if tuple(ranks) not in hosts:
+            hosts[tuple(ranks)] = open_host_reducer(group, ranks, config.rank, config.timeout_s)
+        return hosts[tuple(ranks)]
+
+    world = list(range(shape.world_size))
+    tp_host = host(tp_group, tp_ranks)  # tp, stage, world: every rank in this one order
+    stage_host = host(stage_group, stage_ranks)
+    world_host = host(dist.group.WORLD if shape.world_size > 1 else None, world)
+    comm = DistComm(tp_group, shape.tp, stage_group, per_stage, tp_host, stage_host, world_host)
+    log.info("rank %d joined its instance (%s, backend %s, sums %s, pid %d)", config.rank, shape.describe(),
+             config.backend_for(device), "in shared memory" if comm.sums_on_host else "by the backend", os.getpid())
+    return comm
 
 
 def leave_group() -> None:
@@ -87,10 +105,13 @@ def leave_group() -> None:
 class Channel:
     """Rank 0's schedule to every rank over the world group. Each method is collective: every
     rank of the world calls it with the same shapes, rank 0 with the values. Tensors live on
-    ``device`` (the backend's: CPU for gloo, CUDA for NCCL)."""
+    ``device`` (the backend's: CPU for gloo, CUDA for NCCL). ``host``: the world's
+    shared-memory collectives (``DistComm.world_host``), which carry the broadcasts (the
+    schedule itself, per op and per chunk) when every rank is on this host."""
 
-    def __init__(self, rank: int, world_size: int, device: str = "cpu"):
+    def __init__(self, rank: int, world_size: int, device: str = "cpu", host=None):
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        self.host = host if self.device.type == "cpu" else None
 
     @property
     def is_leader(self) -> bool:
@@ -111,12 +132,16 @@ class Channel:
             t = torch.tensor(list(values), dtype=torch.int64, device=self.device)
         else:
             t = torch.empty(n, dtype=torch.int64, device=self.device)
-        self._call(dist.broadcast, t, 0)
-        return t.tolist()
+        return self._broadcast(t).tolist()
 
     def tensor(self, t: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``t`` into every rank's ``t`` (same shape and dtype; contiguous)."""
         assert t.is_contiguous()
+        return self._broadcast(t)
+
+    def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        if self.host is not None:
+            return self.host.broadcast_(t, 0)
         self._call(dist.broadcast, t, 0)
         return t
 

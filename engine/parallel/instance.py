@@ -35,6 +35,7 @@ class RankSpec:
     dtype: torch.dtype = torch.float32
     backend: str = ""
     timeout_s: float = 600.0
+    host_sums: bool = True  # engine.parallel.group.GroupConfig.host_sums
 
     def __post_init__(self) -> None:
         self.shape.coords(self.rank)
@@ -49,12 +50,13 @@ def join(spec: RankSpec, on_failure: Callable[[str], None] | None = None) -> Gro
 
     cfg = engine.load_config(spec.model)
     spec.shape.check(cfg)
-    comm = init_group(GroupConfig(spec.shape, spec.rank, spec.init_method, spec.backend, spec.timeout_s), spec.device)
+    comm = init_group(GroupConfig(spec.shape, spec.rank, spec.init_method, spec.backend, spec.timeout_s,
+                                   spec.host_sums), spec.device)
     plan = ShardPlan(spec.shape, spec.rank)
     stages = [StageLayers.of(cfg, spec.shape.stage_layers(cfg.num_hidden_layers, s)) for s in range(spec.shape.stages)]
     shard = engine.load_model(spec.model, spec.device, spec.dtype, plan=plan, comm=comm,
                               layers=stages[plan.stage].layers)
-    channel = Channel(spec.rank, spec.shape.world_size, spec.device)
+    channel = Channel(spec.rank, spec.shape.world_size, spec.device, comm.world_host)
     if spec.rank == 0:
         keepalive_s = spec.timeout_s / 4  # the others wait for the next op at most the group's timeout
         model: GroupModel | PipelineModel = (
