@@ -1,6 +1,8 @@
 """Parallel instances against one instance on the same cores (issue 22's figures).
 
-Prints JSON with, for the built-in ``tiny`` model (6 layers: 2 KDA + 1 MLA per stage of 2):
+Prints JSON with, for the built-in ``tiny`` model (6 layers: 2 KDA + 1 MLA per stage of 2,
+hidden 256) and, for ``tp``, also ``wide`` (the same at hidden 512, 52M parameters, written as
+a seeded checkpoint for the run; ``--tp-models``):
 
 - ``cpp``: time to first token of one long prompt (``--prompt-tokens``, 16,384) at the engine:
   the prefill, in the worker's snapshot-cut chunks, and the first token sampled. Chunked
@@ -12,6 +14,9 @@ Prints JSON with, for the built-in ``tiny`` model (6 layers: 2 KDA + 1 MLA per s
   decode step at batch 8 the same three ways; the share of TP=2's time in its collectives. The
   ranks of one host sum through shared memory (``engine.parallel.host_reduce``); TP=2 summing
   with gloo over loopback (``tp2_1_thread_each_gloo_sums``) is the baseline for that choice.
+  At hidden 256 per-op overheads (Python, the MoE's dispatch on every rank) are a large part of
+  a layer and do not divide over ranks; at 512 the matmuls dominate, as in any model served
+  with TP.
 - ``ep``: the same prefill with EP=2. Dispatch is all-gather style: attention (here replicated)
   leaves every token on every rank, each rank runs its experts on the tokens routed to them,
   and one all-reduce per MoE layer combines them (``engine.parallel.comm``); the figure shows
@@ -25,12 +30,13 @@ Prints JSON with, for the built-in ``tiny`` model (6 layers: 2 KDA + 1 MLA per s
 Each configuration runs in fresh processes, the configurations alternating repeat by repeat
 (``--repeats``) so that load from other processes hits them alike; medians with min and max.
 The machine's load average before and after is reported: the scaling ratios need both cores
-free. Usage: python -m bench.parallel [--quick] [--repeats N]
+free. Usage: python -m bench.parallel [--quick] [--repeats N] [--groups cpp,tp] [--tp-models tiny,wide]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -129,13 +135,14 @@ def _rank_work(args, model) -> None:
 
 
 # ---- the driver --------------------------------------------------------------------------------
-def _run(args, task: str, threads: int, tp: int = 1, ep: int = 1, stages: int = 1, gloo: bool = False) -> dict:
+def _run(args, task: str, threads: int, model: str, tp: int = 1, ep: int = 1, stages: int = 1,
+         gloo: bool = False) -> dict:
     world = tp * ep * stages
     with tempfile.TemporaryDirectory(prefix="tidekv-bench-") as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "bench.parallel", "rank", "--task", task, "--threads", str(threads),
                "--tp", str(tp), "--ep", str(ep), "--stages", str(stages), "--init", f"file://{tmp}/rendezvous",
-               "--out", str(out), "--model", args.model, "--prompt-tokens", str(args.prompt_tokens),
+               "--out", str(out), "--model", model, "--prompt-tokens", str(args.prompt_tokens),
                "--cpp-chunk", str(args.cpp_chunk), "--tp-prompts", str(args.tp_prompts),
                "--tp-tokens", str(args.tp_tokens), *(["--gloo-sums"] if gloo else [])]
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
@@ -185,6 +192,36 @@ def _series(runs: list[dict], key: str) -> dict:
     return summary([r[key] for r in runs])
 
 
+# The comparisons: name -> (task, threads per rank, shape and options).
+CPP = {"one_instance_1_thread": ("ttft", 1, {}), "one_instance_2_threads": ("ttft", 2, {}),
+       "cpp_2_stages_1_thread_each": ("ttft", 1, {"stages": 2})}
+TP = {"tp1_1_thread": ("throughput", 1, {}), "tp1_2_threads": ("throughput", 2, {}),
+      "tp2_1_thread_each": ("throughput", 1, {"tp": 2}),
+      "tp2_1_thread_each_gloo_sums": ("throughput", 1, {"tp": 2, "gloo": True}),
+      "ep2_1_thread_each": ("throughput", 1, {"ep": 2})}
+
+
+def _write_wide(directory: Path) -> str:
+    """The ``wide`` model's checkpoint (seeded weights) under ``directory``: the tiny model at
+    hidden 512 (52M parameters), where the matmuls rather than per-op overheads set the time."""
+    from engine.checkpoint import save_checkpoint, seeded_tensors
+    from engine.config import tiny_config
+
+    cfg = dataclasses.replace(tiny_config(), hidden_size=512, intermediate_size=1536, num_attention_heads=8,
+                              kv_lora_rank=256, kda_num_heads=8, kda_head_dim=64, moe_intermediate_size=512,
+                              name="wide")
+    save_checkpoint(directory, cfg, seeded_tensors(cfg, seed=7))
+    return str(directory)
+
+
+def _describe(model: str) -> dict:
+    import engine
+
+    cfg = engine.load_config(model)
+    return {"hidden_size": cfg.hidden_size, "layers": cfg.num_hidden_layers, "experts": cfg.num_experts,
+            "attention_heads": cfg.num_attention_heads}
+
+
 def _cpp_report(args, runs: dict[str, list[dict]]) -> dict:
     cpp = {name: _series(r, "ttft_s") for name, r in runs.items()}
     base1, base2 = cpp["one_instance_1_thread"]["median_s"], cpp["one_instance_2_threads"]["median_s"]
@@ -219,6 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tp-prompts", type=int, default=4)
     p.add_argument("--tp-tokens", type=int, default=2048)
     p.add_argument("--groups", default="cpp,tp", help="which comparisons to run: cpp, tp (with ep), or both")
+    p.add_argument("--tp-models", default="tiny,wide",
+                   help="models of the tp/ep comparison: built-in names, checkpoint directories, or 'wide'")
     p.add_argument("--cluster", action="store_true", help="also the CPP comparison through a real local cluster")
     p.add_argument("--cluster-prompt-tokens", type=int, default=8000)
     # a rank's own flags
@@ -239,31 +278,29 @@ def main(argv: list[str] | None = None) -> None:
         args.repeats, args.prompt_tokens, args.tp_tokens, args.tp_prompts = 1, 4096, 1024, 2
         args.cluster_prompt_tokens = min(args.cluster_prompt_tokens, 2048)
     load_before = os.getloadavg()
-    configs = {
-        "cpp": {"one_instance_1_thread": ("ttft", 1, {}), "one_instance_2_threads": ("ttft", 2, {}),
-                "cpp_2_stages_1_thread_each": ("ttft", 1, {"stages": 2})},
-        "tp": {"tp1_1_thread": ("throughput", 1, {}), "tp1_2_threads": ("throughput", 2, {}),
-               "tp2_1_thread_each": ("throughput", 1, {"tp": 2}),
-               "tp2_1_thread_each_gloo_sums": ("throughput", 1, {"tp": 2, "gloo": True})},
-        "ep": {"ep2_1_thread_each": ("throughput", 1, {"ep": 2})},
-    }
     wanted = set(args.groups.split(","))
-    configs = {g: c for g, c in configs.items() if g in wanted or (g == "ep" and "tp" in wanted)}
-    runs: dict[str, dict[str, list[dict]]] = {g: {name: [] for name in c} for g, c in configs.items()}
-    for rep in range(args.repeats):
-        for group, cs in configs.items():
-            for name, (task, threads, shape) in cs.items():
-                runs[group][name].append(_run(args, task, threads, **shape))
-                print(f"repeat {rep + 1}/{args.repeats}: {group} {name} done", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="tidekv-bench-wide-") as wide_dir:
+        tp_models = [m.strip() for m in args.tp_models.split(",") if m.strip()] if "tp" in wanted else []
+        paths = {m: (_write_wide(Path(wide_dir)) if m == "wide" else m) for m in tp_models}
+        described = {m: _describe(paths[m]) for m in tp_models}
+        configs = {("cpp", args.model): CPP} if "cpp" in wanted else {}
+        configs.update({("tp", m): TP for m in tp_models})
+        runs = {key: {name: [] for name in c} for key, c in configs.items()}
+        for rep in range(args.repeats):
+            for (group, model), cs in configs.items():
+                for name, (task, threads, shape) in cs.items():
+                    runs[group, model][name].append(_run(args, task, threads, paths.get(model, model), **shape))
+                    print(f"repeat {rep + 1}/{args.repeats}: {group} {model} {name} done", file=sys.stderr, flush=True)
     result: dict = {
         "machine": {"cpus": os.cpu_count(), "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
                     "note": "a shared host: the ratios need both cores free (compare the load averages)"},
         "model": args.model, "repeats": args.repeats,
     }
-    if "cpp" in runs:
-        result["cpp"] = _cpp_report(args, runs["cpp"])
-    if "tp" in runs:
-        result["tp"] = _tp_report(args, {**runs["tp"], **runs["ep"]})
+    if "cpp" in wanted:
+        result["cpp"] = _cpp_report(args, runs["cpp", args.model])
+    if tp_models:
+        result["tp"] = {m: _tp_report(args, runs["tp", m]) for m in tp_models}
+        result["tp"]["models"] = described
     if args.cluster:
         result["cluster"] = _cluster(args)
     result["machine"]["load_avg_after"] = os.getloadavg()
