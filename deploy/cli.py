@@ -84,7 +84,7 @@ def _ray_config(args: argparse.Namespace):
 
     from conductor.config import ConductorConfig
     from decode_worker.config import DecodeConfig
-    from deploy.ray_launcher import Placement, RayClusterConfig, parse_resources
+    from deploy.ray_config import Placement, RayClusterConfig, parse_resources
     from prefill_worker.config import PrefillConfig
     from runtime.settings import parse_config
 

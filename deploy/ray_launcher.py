@@ -17,15 +17,6 @@ the launcher then starts the other ranks with it. A lost rank ends its instance
 (``runtime.ranks.fail_fast``): every rank's actor exits, and Ray restarts each, which meet at the
 same rendezvous again: the instance restarts as a whole.
 
-Each actor is a ``RoleActor``: it builds its role's service (``build(config)``, see
-``runtime.service``) and starts it in ``__init__``, so a restart by Ray (``max_restarts``)
-builds a fresh one, which registers with the Conductor again under the same worker id. Every
-actor binds and advertises its node's address (a role config that names another bind host,
-such as 0.0.0.0, keeps it). A worker or front whose config names no Conductor asks the
-Conductor actors for their addresses whenever it (re)starts, and is given them all
-(comma-separated: it fails over between them). Replica R takes the config's port + R (and
-metrics port + R) when they are fixed, so replicas that share a node do not collide.
-
 A pool grows by a placement group per scale-up (one bundle per worker: ``CPU``, the role's
 custom resources such as ``tidekv_prefill``, a ``GPU`` when the config says CUDA), filling free
 bundles of its groups first; it shrinks newest first: drain, stop, kill, wait until the
@@ -33,307 +24,37 @@ Conductor has dropped the worker, and remove each group left empty. The launcher
 state of its own: ``RayCluster.attach`` (``tidekv scale``) rebuilds it from the named actors and
 placement groups, and the cluster config is kept by the Conductor actor.
 
-Every actor but the HTTP front (which signs nothing: it calls the Conductor's public endpoint
-with its clients' API keys) gets the cluster secret (``runtime.auth``) as an argument and
-writes it to a file of its own (mode 0600) for its service: the one in the Conductor config's
-``cluster_secret_file`` when the driver has it, else a new one; the Conductor actor keeps it
-for later scale-ups. Ray's own channels carry it, so whoever may drive the Ray cluster holds
-it, as they can already run code in every actor.
+The pieces: ``deploy.ray_config`` (the cluster as data), ``deploy.ray_actors`` (the actors) and
+this module (``RayCluster``: start, scale, attach, report, stop).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import importlib
-import os
 import re
-import shutil
-import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from conductor.config import ConductorConfig
-from decode_worker.config import DecodeConfig
-from deploy.cluster_state import Endpoint, WorkerState, format_endpoints, format_table, workers_from_response
-from openai_api.config import FrontConfig
-from prefill_worker.config import PrefillConfig
-from proto import internal_pb2 as ipb
+from deploy.cluster_state import Endpoint, WorkerState, format_endpoints, format_table
+from deploy.ray_actors import ActorReport, conductor_addresses, remote_rank_actor, remote_role_actor
+from deploy.ray_config import (
+    CONDUCTOR,
+    CONDUCTOR_NAMES,
+    HTTP,
+    NAMESPACE,
+    POOLS,
+    Placement,
+    RayClusterConfig,
+    parse_resources,
+)
 from runtime.auth import load_secret, new_secret
-from runtime.ports import free_port
-from runtime.settings import setup_torch
 
-NAMESPACE = "tidekv"
-CONDUCTOR = "conductor"  # replica 0's actor; replica R's is "conductor-R"
-HTTP = "http"
-POOLS = ("prefill", "decode")
-BUILDERS = {"conductor": "conductor.server", "prefill": "prefill_worker.server", "decode": "decode_worker.server",
-            "http": "openai_api.service"}
-STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-WILDCARDS = ("0.0.0.0", "::", "")
-Resources = tuple[tuple[str, float], ...]
-
-
-def parse_resources(text: str) -> Resources:
-    """``"tidekv_prefill=1,node_type_a=0.01"`` -> ``(("tidekv_prefill", 1.0), ...)``; "" is none."""
-    out = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, sep, amount = part.partition("=")
-        try:
-            if not (name and sep) or float(amount) <= 0:
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"resource {part!r}: expected NAME=AMOUNT with AMOUNT > 0") from None
-        out.append((name, float(amount)))
-    return tuple(out)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """What each actor of a role asks Ray for; ``strategy`` spreads a pool group's bundles."""
-
-    num_cpus: float = 0.25
-    resources: Resources = ()
-    strategy: str = "PACK"
-
-    def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"placement strategy {self.strategy!r} is not one of {STRATEGIES}")
-        if self.num_cpus < 0:
-            raise ValueError(f"num_cpus {self.num_cpus} < 0")
-
-    def bundle(self, num_gpus: int) -> dict[str, float]:
-        return {"CPU": self.num_cpus, **dict(self.resources), **({"GPU": float(num_gpus)} if num_gpus else {})}
-
-
-@dataclass(frozen=True)
-class RayClusterConfig:
-    """A Tidekv cluster on Ray: each role's frozen config, pool sizes, placement and restarts.
-    Worker configs with ``conductor=""`` find the Conductor through its actor."""
-
-    conductor: ConductorConfig = ConductorConfig()
-    prefill: PrefillConfig = PrefillConfig()
-    decode: DecodeConfig = DecodeConfig()
-    http: FrontConfig = FrontConfig()  # conductor "": the Conductor actor's address
-    num_prefill: int = 1
-    num_decode: int = 1
-    num_http: int = 1  # 0: no HTTP front
-    num_conductors: int = 1  # > 1: replicas over the shared state of conductor.index (redis://...)
-    namespace: str = NAMESPACE
-    conductor_placement: Placement = Placement(resources=(("tidekv_conductor", 1.0),))
-    prefill_placement: Placement = Placement(resources=(("tidekv_prefill", 1.0),), strategy="PACK")
-    decode_placement: Placement = Placement(resources=(("tidekv_decode", 1.0),), strategy="SPREAD")
-    http_placement: Placement = Placement()  # anywhere: it holds no model weights
-    max_restarts: int = 3  # per actor; -1: without limit
-    ready_timeout_s: float = 180.0
-    placement_timeout_s: float = 30.0
-    extra: dict[str, Any] = field(default_factory=dict, hash=False)  # more actor options (runtime_env, ...)
-
-    def __post_init__(self) -> None:
-        if self.num_prefill < 0 or self.num_decode < 0 or self.num_http not in (0, 1):
-            raise ValueError(f"num_prefill {self.num_prefill} and num_decode {self.num_decode} must be >= 0, "
-                             f"num_http {self.num_http} 0 or 1")
-        if self.num_conductors < 1:
-            raise ValueError(f"num_conductors {self.num_conductors} must be >= 1")
-        if self.num_conductors > 1 and self.conductor.index == "memory":
-            raise ValueError(f"num_conductors {self.num_conductors}: replicas share their state through a store "
-                             "every node reaches: give the Conductor --index redis://HOST:PORT (or rediss://, "
-                             "redis+sentinel://)")
-
-    @property
-    def conductor_names(self) -> tuple[str, ...]:
-        return tuple(conductor_name(r) for r in range(self.num_conductors))
-
-    def replica_config(self, replica: int) -> ConductorConfig:
-        """Replica ``replica``'s Conductor config: fixed ports moved up by its number."""
-        c = self.conductor
-        return dataclasses.replace(c, port=c.port + replica if c.port else 0,
-                                   metrics_port=c.metrics_port + replica if c.metrics_port > 0 else c.metrics_port)
-
-    def role_config(self, role: str) -> Any:
-        return getattr(self, role)
-
-    def placement(self, role: str) -> Placement:
-        return getattr(self, f"{role}_placement")
-
-    def num_gpus(self, role: str) -> int:
-        return 1 if getattr(self.role_config(role), "device", "cpu").startswith("cuda") else 0
-
-
-def conductor_name(replica: int) -> str:
-    return CONDUCTOR if replica == 0 else f"{CONDUCTOR}-{replica}"
-
-
-_CONDUCTOR_NAME = re.compile(rf"{CONDUCTOR}(-[1-9]\d*)?")
-
-
-def conductor_addresses(namespace: str) -> str:
-    """Every running Conductor actor's address, comma-separated, replica 0 first."""
-    names = sorted((a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                    if a["namespace"] == namespace and _CONDUCTOR_NAME.fullmatch(a["name"])),
-                   key=lambda n: int(n.rpartition("-")[2]) if "-" in n else 0)
-    handles = [ray.get_actor(n, namespace=namespace) for n in names]
-    return ",".join(ray.get([h.address.remote() for h in handles], timeout=60))
-
-
-@dataclass(frozen=True)
-class ActorReport:
-    name: str
-    role: str
-    node_id: str
-    node_ip: str
-    pid: int
-    address: str  # gRPC host:port
-    transfer_address: str  # "" for the Conductor
-    ready: bool
-    metrics_address: str = ""  # host:port of its /metrics ("" when off)
-
-
-def _placed(role: str, config: Any, node_ip: str, namespace: str) -> Any:
-    """``config`` for this node: bind and advertise the node's address (unless it names a bind
-    host), find the Conductors through their actors, keep the SSD tier under ``data_dir/<worker
-    id>``, use the GPU Ray assigned."""
-    changes: dict[str, Any] = {}
-    if config.host == "127.0.0.1":
-        changes["host"] = node_ip
-    if role != CONDUCTOR:
-        changes["advertise_host"] = config.advertise_host or node_ip
-        if not config.conductor:
-            changes["conductor"] = conductor_addresses(namespace)
-    if role in POOLS:
-        if getattr(config, "data_dir", ""):  # one SSD tier per worker, kept across its restarts
-            changes["data_dir"] = os.path.join(config.data_dir, config.worker_id)
-        if config.device.startswith("cuda"):
-            changes["device"] = "cuda"  # CUDA_VISIBLE_DEVICES holds the one GPU Ray gave this actor
-    return dataclasses.replace(config, **changes)
-
-
-class RoleActor:
-    """One role's service in a Ray actor process (see the module docstring). Thread-safe: the
-    actor runs with several threads so ``ready`` answers while ``drain`` blocks."""
-
-    def __init__(self, role: str, config: Any, namespace: str, secret: str, cluster: RayClusterConfig | None = None):
-        setup_torch(getattr(config, "threads", 0) or 1)
-        self.role, self.cluster, self._secret = role, cluster, secret
-        self.node_ip = ray.util.get_node_ip_address()
-        self._secret_dir = ""
-        if role != HTTP:  # the front signs nothing: it gets no secret (and is given "")
-            self._secret_dir = tempfile.mkdtemp(prefix="tidekv-secret-")
-            secret_file = os.path.join(self._secret_dir, "cluster.secret")
-            with os.fdopen(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
-                f.write(secret)
-            config = dataclasses.replace(config, cluster_secret_file=secret_file)
-        self.config = _placed(role, config, self.node_ip, namespace)
-        parallel = role in POOLS and self.config.parallel_shape.world_size > 1
-        if parallel:  # a rendezvous on this node, new at every (re)start; the ranks ask for it
-            self.config = dataclasses.replace(self.config, dist_init=f"tcp://{self.node_ip}:{free_port(self.node_ip)}")
-        self.service = importlib.import_module(BUILDERS[role]).build(self.config)
-        if parallel:  # the other ranks need the rendezvous before this one can finish starting
-            threading.Thread(target=self.service.start, name="instance-start", daemon=True).start()
-        else:
-            self.service.start()
-
-    def secret(self) -> str:
-        """The cluster secret (the conductor actor's, for workers added later)."""
-        return self._secret
-
-    def dist_init(self) -> str:
-        """The rendezvous of this instance's ranks ("" for an instance of one rank, or while this
-        process is ending its instance: Ray's restart makes a new one)."""
-        from runtime.ranks import failing
-
-        return "" if failing() else getattr(self.config, "dist_init", "")
-
-    def address(self) -> str:
-        """The service's advertised address; a Conductor bound to a wildcard is dialled at its node's."""
-        address = self.service.address
-        if self.role == CONDUCTOR and self.config.host in WILDCARDS:
-            address = f"{self.node_ip}:{address.rsplit(':', 1)[1]}"
-        return address
-
-    def ready(self) -> bool:
-        """Started and able to take what comes next: for the Conductor, registrations (its own
-        readiness waits for a live worker of each role, which register only after this)."""
-        if self.role == CONDUCTOR:
-            return bool(self.service.address)
-        return self.service.ready()
-
-    def report(self) -> ActorReport:
-        ctx = ray.get_runtime_context()
-        metrics = getattr(self.service, "metrics", None)
-        return ActorReport(ctx.get_actor_name() or "", self.role, ctx.get_node_id(), self.node_ip, os.getpid(),
-                           self.address(), getattr(self.service, "transfer_address", ""), self.service.ready(),
-                           getattr(metrics, "address", ""))
-
-    def workers(self) -> list[str]:
-        """Worker ids the Conductor holds as registered and alive (the conductor actor only)."""
-        return [info.worker_id for info, _ in self.service.cluster.alive()]
-
-    def worker_states(self) -> tuple[WorkerState, ...]:
-        """Each registered worker with its last heartbeat's load (the conductor actor only)."""
-        resp = ipb.WorkersResponse()
-        for info, load in self.service.cluster.alive():
-            resp.workers.append(info)
-            resp.loads.append(load)
-        return workers_from_response(resp)
-
-    def cluster_config(self) -> RayClusterConfig | None:
-        return self.cluster
-
-    def drain(self, timeout_s: float) -> None:
-        self.service.drain(timeout_s)
-
-    def stop(self) -> None:
-        self.service.stop()
-        if self._secret_dir:
-            shutil.rmtree(self._secret_dir, ignore_errors=True)
-
-
-class RankActor:
-    """A rank other than 0 of a worker instance (``runtime.ranks.serve_rank``), following rank
-    0's schedule on a thread. It asks rank 0's actor (``leader``) for the rendezvous at every
-    (re)start; when the instance loses a rank this process exits, and Ray restarts it into the
-    instance's next start."""
-
-    def __init__(self, role: str, config: Any, secret: str, leader: str, namespace: str):
-        setup_torch(getattr(config, "threads", 0) or 1)
-        dist_init, until = "", time.monotonic() + 300
-        while not dist_init and time.monotonic() < until:  # "" from a rank 0 that is ending: wait for its restart
-            dist_init = ray.get(ray.get_actor(leader, namespace=namespace).dist_init.remote(), timeout=300)
-            time.sleep(0 if dist_init else 0.5)
-        config = dataclasses.replace(config, dist_init=dist_init)
-        self._secret_dir = tempfile.mkdtemp(prefix="tidekv-secret-")
-        secret_file = os.path.join(self._secret_dir, "cluster.secret")
-        with os.fdopen(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
-            f.write(secret)
-        self.config = dataclasses.replace(config, cluster_secret_file=secret_file)
-        from runtime.ranks import serve_rank
-
-        self._thread = threading.Thread(target=self._serve, args=(serve_rank,), name="rank", daemon=True)
-        self._thread.start()
-
-    def _serve(self, serve_rank: Any) -> None:
-        serve_rank(self.config)  # returns when rank 0 stopped the instance; the launcher then kills this actor
-
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-
-@functools.cache
-def _remote_role() -> Any:
-    return ray.remote(RoleActor)
-
-
-@functools.cache
-def _remote_rank() -> Any:
-    return ray.remote(RankActor)
+__all__ = ["Placement", "RayCluster", "RayClusterConfig", "connect", "format_reports", "parse_resources"]
 
 
 def connect(address: str = "auto", namespace: str = NAMESPACE, **init_kwargs: Any) -> None:
@@ -345,8 +66,8 @@ def connect(address: str = "auto", namespace: str = NAMESPACE, **init_kwargs: An
 class RayCluster:
     """Starts, scales, reports and stops a Tidekv cluster on Ray; needs ``connect`` first."""
 
-    def __init__(self, config: RayClusterConfig = RayClusterConfig()):
-        self.config = config
+    def __init__(self, config: RayClusterConfig | None = None):
+        self.config = config = config or RayClusterConfig()
         self.ns = config.namespace
         self.endpoint = ""
         self.http_url = ""  # the HTTP front's OpenAI base URL, "" without one
@@ -408,7 +129,7 @@ class RayCluster:
         names = self._names()
         if HTTP in names:
             self._retire({HTTP: ray.get_actor(HTTP, namespace=self.ns)}, grace_s)
-        self._retire({n: ray.get_actor(n, namespace=self.ns) for n in names if _CONDUCTOR_NAME.fullmatch(n)}, grace_s)
+        self._retire({n: ray.get_actor(n, namespace=self.ns) for n in names if CONDUCTOR_NAMES.fullmatch(n)}, grace_s)
         for role in POOLS:
             self._retire(self._pool(role), grace_s)
         for role in POOLS:
@@ -470,7 +191,7 @@ class RayCluster:
             name=name, namespace=self.ns, lifetime="detached", max_restarts=c.max_restarts, max_task_retries=0,
             num_cpus=p.num_cpus, num_gpus=c.num_gpus(role), resources=dict(p.resources), **c.extra,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle))
-        return _remote_rank().options(**options).remote(role, config, self._secret(), name.rsplit("-r", 1)[0],
+        return remote_rank_actor().options(**options).remote(role, config, self._secret(), name.rsplit("-r", 1)[0],
                                                         self.ns)
 
     def _new_group(self, role: str, k: int, num: int, strategy: str | None = None) -> PlacementGroup:
@@ -501,7 +222,7 @@ class RayCluster:
         if role in POOLS and not config.worker_id:
             config = dataclasses.replace(config, worker_id=name)
         secret = "" if role == HTTP else self._secret()
-        return _remote_role().options(**options).remote(role, config, self.ns, secret, cluster)
+        return remote_role_actor().options(**options).remote(role, config, self.ns, secret, cluster)
 
     def _retire(self, actors: dict[str, Any], grace_s: float) -> None:
         """Drain (in parallel), stop and kill ``actors`` (and their instances' other ranks, once
@@ -523,7 +244,7 @@ class RayCluster:
         """Where every actor runs and what it serves; an actor that does not answer is left out."""
         names = self._names()
         actors = {n: ray.get_actor(n, namespace=self.ns) for n in sorted(names)
-                  if n == HTTP or _CONDUCTOR_NAME.fullmatch(n)}
+                  if n == HTTP or CONDUCTOR_NAMES.fullmatch(n)}
         for role in POOLS:
             actors |= self._pool(role)
         out = []

@@ -60,7 +60,7 @@ class RayStatus:
     ray_address: str
     namespace: str
     endpoint: str
-    actors: tuple[Any, ...]  # ray_launcher.ActorReport, Conductor first
+    actors: tuple[Any, ...]  # ray_actors.ActorReport, Conductor first
     workers: tuple[WorkerState, ...]
     workers_error: str  # why the Conductor's registry could not be read ("" when it could)
     read_at_s: float
