@@ -7,13 +7,12 @@ reach the leader's directory makes every rank fall back to the backend."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.engine.rank_processes import run_rank_processes
 
 
 def run_ranks(tmp: Path, mode: str, world: int = 3, timeout_s: float = 120) -> tuple[dict, list[int]]:
@@ -21,17 +20,9 @@ def run_ranks(tmp: Path, mode: str, world: int = 3, timeout_s: float = 120) -> t
     shm.mkdir()
     cmd = [sys.executable, "-m", "tests.engine.host_reduce_harness", "--mode", mode, "--world", str(world),
            "--init", f"file://{tmp / 'rendezvous'}", "--shm-dir", str(shm), "--out", str(tmp / "out.json")]
-    procs = [subprocess.Popen([*cmd, "--rank", str(r)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(world)]
-    try:
-        outputs = [p.communicate(timeout=timeout_s)[0].decode() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    codes = [p.returncode for p in procs]
-    assert (tmp / "out.json").exists(), "\n".join(o[-2000:] for o in outputs)
+    ranks = run_rank_processes(cmd, world, timeout_s)
+    codes = [code for code, _ in ranks]
+    assert (tmp / "out.json").exists(), "\n".join(text[-2000:] for _, text in ranks)
     return json.loads((tmp / "out.json").read_text()), codes
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,8 +25,8 @@ from engine.config import tiny_config, tiny_k2_config
 from engine.parallel.shape import ParallelShape
 from engine.parallel.shard import ShardPlan
 from engine.parallel.state import conv_part, merge_convs, merge_states, state_part
+from tests.engine.rank_processes import run_rank_processes
 
-ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5
 
 # Small random configs: Kimi Linear (KDA + MLA, MoE with a shared expert and a dense layer,
@@ -63,17 +62,8 @@ def run_ranks(model: Path, tp: int, ep: int, tmp: Path, timeout_s: float = 240, 
     out = tmp / "result.json"
     cmd = [sys.executable, "-m", "tests.engine.parallel_harness", "--model", str(model), "--tp", str(tp),
            "--ep", str(ep), "--stages", str(stages), "--init", init, "--out", str(out), *extra]
-    procs = [subprocess.Popen([*cmd, "--rank", str(r)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(world)]
-    try:
-        outputs = [p.communicate(timeout=timeout_s)[0].decode() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, (p, text) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{text[-3000:]}"
+    for r, (code, text) in enumerate(run_rank_processes(cmd, world, timeout_s)):
+        assert code == 0, f"rank {r} exited with {code}:\n{text[-3000:]}"
     return json.loads(out.read_text())
 
 
