@@ -126,11 +126,14 @@ class HostReducer:
                 raise GroupFailed(f"a rank of the group sent nothing for {self.timeout_s:.0f} s")
 
     def close(self) -> None:
+        """Closes the FIFOs (the other ranks' next collective fails) and drops the slots: the
+        mapping goes with the last tensor that views it (each holds the mmap object), never
+        under one (``mmap.close`` would unmap it while a view still reads it)."""
         for fd in (*self._inbound, *self._outbound):
             os.close(fd)
-        self._inbound, self._outbound = [], []
+        self._inbound, self._outbound, self._polls = [], [], []
         self._slots = []
-        self._map.close()
+        self._map = None
 
 
 def _fifo(directory: str, src: int, dst: int) -> str:

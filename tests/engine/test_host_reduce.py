@@ -50,3 +50,16 @@ def test_a_rank_that_cannot_reach_the_directory_makes_every_rank_fall_back(tmp_p
     assert codes == [0, 0, 0]
     assert result["reducer"] is False
     assert result["left_in_shm_dir"] == []
+
+
+def test_closing_with_a_view_still_alive_leaves_the_mapping_to_the_view():
+    import mmap
+
+    import torch
+
+    from engine.parallel.host_reduce import HostReducer
+
+    reducer = HostReducer(mmap.mmap(-1, 2 * 2 * 4096), 2, 0, [], [], 4096, timeout_s=1.0)
+    view = reducer._slots[0][1][:8].view(torch.float32)  # a slot a caller still reads
+    reducer.close()
+    assert view.tolist() == [0.0, 0.0]  # still mapped: no crash, no BufferError
