@@ -91,15 +91,16 @@ def _with_head_running(jobs: tuple[PrefillJobLoad, ...], worker_id: str, pending
     routed first has run since it was routed or since the last prefill this Conductor saw end
     there, whichever is later. Without it a job that is half done would count in full in the
     next request's queue (a heartbeat lists it as running only every interval)."""
-    if not jobs or any(j.elapsed_s > 0 for j in jobs):
+    records = pending.in_prefill.get(worker_id)
+    if not records or any(j.elapsed_s > 0 for j in jobs):
         return jobs
-    routed = {r.request_id: r.routed_at_s for r in pending.in_prefill.get(worker_id, ())}
-    known = [(routed[rid], i) for i, j in enumerate(jobs) if (rid := request_of(j.request_id)) in routed]
-    if not known:
-        return jobs
-    routed_at_s, head = min(known)
-    elapsed_s = now_s - max(routed_at_s, pending.prefill_free_at_s.get(worker_id, routed_at_s))
+    first = records[0]  # the overlay keeps a worker's jobs in routing order
+    elapsed_s = now_s - max(first.routed_at_s, pending.prefill_free_at_s.get(worker_id, first.routed_at_s))
     if elapsed_s <= 0:
+        return jobs
+    head = 0 if jobs[0].request_id == first.request_id else next(
+        (i for i, j in enumerate(jobs) if request_of(j.request_id) == first.request_id), None)
+    if head is None:  # a retry whose earlier placement the heartbeat still lists
         return jobs
     j = jobs[head]
     return (*jobs[:head], PrefillJobLoad(j.request_id, j.num_new_tokens, j.num_reused_tokens, elapsed_s),
