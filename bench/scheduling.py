@@ -3,14 +3,19 @@ other policies as baselines in the same run. Prints one JSON object; progress go
 
 1. Prediction accuracy: a calibration made here, then a few hundred mixed requests (cold and
    sharing prefixes, short and long) through ``mooncake``; |predicted TTFT - observed| /
-   observed, median and p90 (goal: median within 10%).
+   observed with the client's TTFT observed, median and p90 (goals: median within 10%, p90
+   within 25%), and broken down: by route branch, prompt length and whether a queue was
+   predicted, with where the time went against what was predicted for it (the terminal
+   message's ``Timing``: the Conductor's queue and TTFT, the worker's prefill, the predicted
+   dispatch, queue and prefill), and the error with the Conductor's own TTFT observed.
 2. Policies side by side: the same scaled window of the Mooncake synthetic trace replayed
    live (``replay.live``) against a fresh cluster per policy, at each rate scale given:
    goodput (requests/s meeting both SLOs), TTFT p50/p90, TBT p90, rejection rate,
    cached-token ratio. Goal: ``mooncake``'s goodput at least 1.2x ``cache_aware``'s at the
    rate where ``cache_aware`` starts missing SLOs.
 
-Usage: python -m bench.scheduling [--quick] [--rates 1.0,2.0] [--policies mooncake,cache_aware,...]
+Usage: python -m bench.scheduling [--quick] [--only prediction|policies] [--rates 1.0,2.0]
+       [--policies mooncake,cache_aware,...]
 """
 
 from __future__ import annotations
@@ -77,9 +82,49 @@ def prediction_accuracy(calibration: Path, num_requests: int) -> dict:
         with ThreadPoolExecutor(3) as pool:
             outs = list(pool.map(client.generate, requests))
         client.close()
-    errors = sorted(abs(o.predicted_ttft_s - o.ttft_s) / o.ttft_s for o in outs if o.ttft_s > 0 and o.predicted_ttft_s)
-    return {"num_requests": len(errors), "median_rel_error": statistics.median(errors),
-            "p90_rel_error": errors[int(0.9 * (len(errors) - 1))], "goal_median": 0.10}
+    kept = [(o, n) for o, n in zip(outs, (len(r.token_ids.ids) for r in requests), strict=True)
+            if o.ttft_s > 0 and o.predicted_ttft_s]
+    by: dict[str, list] = {"all": kept}
+    for o, n in kept:
+        by.setdefault(f"branch={o.route_branch}", []).append((o, n))
+        by.setdefault(f"prompt_tokens={n}", []).append((o, n))
+        by.setdefault("queue_predicted" if o.timing.predicted_queue_s > 0 else "no_queue_predicted", []).append((o, n))
+    out = error_summary(kept)
+    out.update({"goal_median": 0.10, "goal_p90": 0.25, "by_category": {k: error_summary(v, parts=True)
+                                                                       for k, v in sorted(by.items())}})
+    return out
+
+
+def _q(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[int(q * (len(xs) - 1))]
+
+
+def error_summary(kept: list, parts: bool = False) -> dict:
+    """Relative errors of a set of completions, against the client's TTFT and the Conductor's
+    (arrival to first token); with ``parts``, medians (ms) of where the time went: the client's
+    hop (client TTFT - Conductor TTFT), the Conductor until the prefill call, the worker's
+    prefill, the rest of the Conductor's TTFT (the worker's queue, the RPCs), against the
+    predicted dispatch, queue and prefill."""
+    client = [abs(o.predicted_ttft_s - o.ttft_s) / o.ttft_s for o, _ in kept]
+    server = [abs(o.predicted_ttft_s - o.timing.ttft_s) / o.timing.ttft_s for o, _ in kept if o.timing.ttft_s > 0]
+    signed = [(o.predicted_ttft_s - o.ttft_s) / o.ttft_s for o, _ in kept]
+    out = {"num_requests": len(client), "median_rel_error": statistics.median(client), "p90_rel_error": _q(client, 0.9),
+           "median_signed_error": statistics.median(signed),
+           "vs_conductor_ttft": {"median_rel_error": statistics.median(server), "p90_rel_error": _q(server, 0.9)}}
+    if parts:
+        def ms(f) -> float:
+            return round(1e3 * statistics.median(f(o.timing, o) for o, _ in kept), 2)
+        out["median_ms"] = {
+            "client_ttft": ms(lambda t, o: o.ttft_s), "predicted_ttft": ms(lambda t, o: t.predicted_ttft_s),
+            "client_hop": ms(lambda t, o: o.ttft_s - t.ttft_s), "conductor_to_prefill_call": ms(lambda t, o: t.queue_s),
+            "worker_prefill": ms(lambda t, o: t.prefill_worker_s),
+            "worker_queue_and_rpcs": ms(lambda t, o: t.ttft_s - t.queue_s - t.prefill_worker_s),
+            "predicted_dispatch": ms(lambda t, o: t.predicted_dispatch_s),
+            "predicted_queue": ms(lambda t, o: t.predicted_queue_s),
+            "predicted_prefill": ms(lambda t, o: t.predicted_prefill_s),
+            "slowdown": ms(lambda t, o: t.predicted_slowdown) / 1e3}
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
 
 
 def window(rate: float, num_requests: int, ttft_slo_s: float, tbt_slo_s: float):
@@ -115,6 +160,7 @@ def compare_policies(policies: list[str], rates: list[float], calibration: Path,
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", choices=("prediction", "policies"), help="run one of the two measurements")
     p.add_argument("--rates", default="1.0,2.0")
     p.add_argument("--policies", default="mooncake,cache_aware,kv_cost,round_robin")
     p.add_argument("--ttft-slo-s", type=float, default=2.0)
@@ -124,10 +170,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tidekv-bench-sched-") as tmp:
         calibration = Path(tmp) / "calibration.json"
         calibrate(calibration, args.quick)
-        out = {"prediction": prediction_accuracy(calibration, n_pred),
-               "policies": compare_policies(args.policies.split(","), [float(r) for r in args.rates.split(",")],
-                                            calibration, n_window, args.ttft_slo_s, args.tbt_slo_s, Path(tmp)),
-               "workload": {"window": f"requests {WINDOW_START}..{WINDOW_START + n_window} of {TRACE.name}",
+        out = {}
+        if args.only != "policies":
+            out["prediction"] = prediction_accuracy(calibration, n_pred)
+        if args.only != "prediction":
+            out["policies"] = compare_policies(args.policies.split(","), [float(r) for r in args.rates.split(",")],
+                                               calibration, n_window, args.ttft_slo_s, args.tbt_slo_s, Path(tmp))
+        out |= {"workload": {"window": f"requests {WINDOW_START}..{WINDOW_START + n_window} of {TRACE.name}",
                             "block_size": BLOCK, "ttft_slo_s": args.ttft_slo_s, "tbt_slo_s": args.tbt_slo_s,
                             "cluster": "2 prefill + 1 decode"}}
     print(json.dumps(out, indent=2))

@@ -42,6 +42,7 @@ class Completion:
     route_branch: str = ""  # cold | local | pull | replicate
     predicted_ttft_s: float = 0.0
     num_terminal: int = 0
+    timing: pb.Timing = field(default_factory=pb.Timing)  # the Conductor's, from the terminal message
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -159,6 +160,7 @@ class Client:
                 out.cached_tokens = msg.usage.cached_tokens
                 out.prompt_tokens = msg.usage.prompt_tokens
                 out.predicted_ttft_s = msg.timing.predicted_ttft_s
+                out.timing = msg.timing
         out.total_s = time.perf_counter() - t0
         return out
 

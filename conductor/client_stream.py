@@ -100,6 +100,9 @@ class ClientStream:
             total_s=now - t.arrival,
             decode_tokens_per_s=(len(tokens) - 1) / decode_s if decode_s > 0 and len(tokens) > 1 else 0.0,
             predicted_ttft_s=self.predicted.ttft_s, predicted_tbt_s=self.predicted.tbt_s,
+            predicted_queue_s=self.predicted.queue_s, predicted_transfer_s=self.predicted.transfer_s,
+            predicted_prefill_s=self.predicted.prefill_s, predicted_slowdown=self.predicted.slowdown,
+            predicted_dispatch_s=self.predicted.dispatch_s,
             prefill_worker_s=first.prefill_s if first else 0.0,
         )
         usage = pb.Usage(prompt_tokens=len(self.req.prompt_ids), cached_tokens=first.cached_tokens if first else 0,

@@ -118,7 +118,7 @@ class ConductorCore:
             now_s = self.clock.now()
             rate = self.heat.touch(keys[0], now_s) if keys else 0.0
             registry = self.cluster.registry_view(self.clock.wall())
-            snapshot = build_snapshot(registry, matches, self.pending.view(), now_s, rate, self.speed.factors())
+            snapshot = build_snapshot(registry, matches, self.pending.view(), now_s, rate, self.speed.paces())
             if avoid:
                 snapshot = ClusterSnapshot(_without(snapshot.prefill, avoid), _without(snapshot.decode, avoid),
                                            snapshot.time_s, snapshot.prefix_rate_per_s)
@@ -131,14 +131,16 @@ class ConductorCore:
 
     # ---- transitions: what applying a decision tells the core ---------------------------------
     def prefilled(self, request_id: str, prefill_worker: str, model_prefill_s: float, worker_prefill_s: float,
-                  events: Sequence[BlockEvent] = ()) -> None:
+                  events: Sequence[BlockEvent] = (), *, handoff_s: float = 0.0,
+                  dispatch_s: float | None = None) -> None:
         """A placement's prefill returned its first token: it leaves the prefill queue, its
-        stored blocks enter the index, and the worker's time against the prediction updates
-        its speed factor."""
+        stored blocks enter the index, and the worker's times against the prediction update
+        its pace (``WorkerSpeed.observe``: ``handoff_s`` of ``worker_prefill_s``, and the
+        request's dispatch when measured)."""
         self.pending.prefill_done(request_id, self.clock.now())
         if events:
             self.cluster.apply_events(events)
-        self.speed.observe(prefill_worker, model_prefill_s, worker_prefill_s)
+        self.speed.observe(prefill_worker, model_prefill_s, worker_prefill_s, handoff_s, dispatch_s)
         self._shared(spb.PENDING_KIND_PREFILL_DONE, request_id)
 
     def decoding(self, request_id: str) -> None:

@@ -37,6 +37,7 @@ from conductor.dispatch import (
 )
 from conductor.metrics import ConductorMetrics
 from conductor.routing import Rejection, RejectKind, RouteDecision
+from conductor.speed import dispatch_of
 from conductor.validation import ValidRequest
 from engine.sampler import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -308,9 +309,11 @@ class RequestLife:
     def _prefilled(self, decision: RouteDecision, result: PrefillResult) -> None:
         """What every placement's first token tells the core: the prefill is done, its blocks
         are stored, and how fast the worker was against the prediction."""
+        routed_to_first_s = self.clock.now() - self.t.routed
         self.core.prefilled(self.request_id, decision.prefill_worker, decision.predicted.model_prefill_s,
-                            result.prefill_s, result.events)
-        self.metrics.prediction(decision.predicted.ttft_s, self.clock.now() - self.t.routed)
+                            result.prefill_s, result.events, handoff_s=result.handoff_s,
+                            dispatch_s=dispatch_of(routed_to_first_s, result.queue_s, result.prefill_s))
+        self.metrics.prediction(decision.predicted.ttft_s, routed_to_first_s)
 
     # ---- decoding and migrating --------------------------------------------------------------
     def _forward(self, decision: RouteDecision, first: int) -> Generator[pb.GenerateResponse, None, _Loss | None]:

@@ -48,21 +48,27 @@ class PrefillOption(NamedTuple):
     branch: RouteBranch
     queue_s: float
     transfer_s: float
-    prefill_s: float
+    prefill_s: float  # hand-off included
 
     @property
     def ttft_s(self) -> float:
-        return self.queue_s + self.transfer_s + self.prefill_s
+        return self.worker.dispatch_s + self.queue_s + self.transfer_s + self.prefill_s
 
     def order(self) -> tuple[float, float, str, bool]:
         """argmin key: TTFT, then the shorter queue, then id, local before pull."""
         return (self.ttft_s, self.queue_s, self.worker.worker_id, self.reuse.holder is not None)
 
 
+def worker_prefill_s(worker: WorkerView, calibrated_s: float) -> float:
+    """A prefill's time on ``worker`` at its pace lately (``conductor.speed``): the calibrated
+    engine time x its slowdown, plus the KV hand-off that holds its engine after it."""
+    return calibrated_s * worker.slowdown + worker.handoff_s
+
+
 def queue_s(worker: WorkerView, costs: CostModels) -> float:
     """Predicted seconds until ``worker`` can start a new prefill (its jobs run one at a time),
-    at the worker's observed speed (``WorkerView.slowdown``)."""
-    return sum(max(0.0, unit_prefill_s(costs, worker, j.num_new_tokens, j.num_reused_tokens) * worker.slowdown
+    at the worker's pace (``worker_prefill_s``)."""
+    return sum(max(0.0, worker_prefill_s(worker, unit_prefill_s(costs, worker, j.num_new_tokens, j.num_reused_tokens))
                    - j.elapsed_s) for j in worker.prefill_jobs)
 
 
@@ -94,7 +100,7 @@ def prefill_options(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cos
         wait = queue_s(w, costs)
         branch = RouteBranch.LOCAL if local else RouteBranch.COLD
         options.append(PrefillOption(w, ReusePlan(local, None), branch, wait, 0.0,
-                                     unit_prefill_s(costs, w, n - local * bs, local * bs) * w.slowdown))
+                                     worker_prefill_s(w, unit_prefill_s(costs, w, n - local * bs, local * bs))))
         if may_replicate and best.worker_id != w.worker_id and best_blocks > config.balancing_threshold * local:
             backend = w.transfer_backend
             if backend not in pull_s_of:
@@ -102,7 +108,7 @@ def prefill_options(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cos
             pull_prefill = (pull_prefill_s if w.cpp_stages <= 1
                             else unit_prefill_s(costs, w, n - best_blocks * bs, best_blocks * bs))
             options.append(PrefillOption(w, pull_plan, RouteBranch.PULL, wait, pull_s_of[backend],
-                                         pull_prefill * w.slowdown))
+                                         worker_prefill_s(w, pull_prefill)))
     return options
 
 
@@ -206,16 +212,17 @@ def make_mooncake(context: PolicyContext) -> Policy:
         if option.ttft_s > request.ttft_slo_s:
             return Rejection(
                 f"predicted TTFT {option.ttft_s:.3f}s misses the {request.ttft_slo_s:g}s SLO: best is "
-                f"{option.worker.worker_id} with {option.queue_s:.3f}s queued + {option.transfer_s:.3f}s transfer "
-                f"+ {option.prefill_s:.3f}s prefill", max(MIN_RETRY_S, option.ttft_s - request.ttft_slo_s),
-                RejectKind.TTFT_SLO)
+                f"{option.worker.worker_id} with {option.worker.dispatch_s:.3f}s dispatch + {option.queue_s:.3f}s "
+                f"queued + {option.transfer_s:.3f}s transfer + {option.prefill_s:.3f}s prefill",
+                max(MIN_RETRY_S, option.ttft_s - request.ttft_slo_s), RejectKind.TTFT_SLO)
         if config.admission_mode != "none" and tbt > request.tbt_slo_s:
             return Rejection(
                 f"predicted TBT {tbt * 1e3:.1f}ms misses the {request.tbt_slo_s * 1e3:g}ms SLO on every decode "
                 f"worker (best {decode.worker_id}: {decode.num_running} running)",
                 _retry_hint_s(decode, costs, snapshot.time_s), RejectKind.TBT_SLO)
+        w = option.worker
         predicted = Prediction(option.ttft_s, option.queue_s, option.prefill_s, option.transfer_s, tbt,
-                               slowdown=option.worker.slowdown)
+                               slowdown=w.slowdown, handoff_s=w.handoff_s, dispatch_s=w.dispatch_s)
         return RouteDecision(option.worker.worker_id, decode.worker_id, option.reuse, option.branch, predicted)
 
     return mooncake
@@ -224,4 +231,4 @@ def make_mooncake(context: PolicyContext) -> Policy:
 register_policy("mooncake")(make_mooncake)
 
 __all__ = ["DecodeJob", "PrefillOption", "choose_prefill", "make_mooncake", "prefill_options", "queue_s",
-           "tbt_after_join"]
+           "tbt_after_join", "worker_prefill_s"]

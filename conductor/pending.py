@@ -86,6 +86,9 @@ class PendingView:
     # Finished lately, by decode worker and request id (a snapshot looks up the few requests a
     # heartbeat lists: there may be thousands, every request of the last ``finished_ttl_s``).
     ended_on_decode: Mapping[str, Mapping[str, PendingRequest]] = field(default_factory=dict)
+    # By prefill worker: when this Conductor last saw one of its prefills end there (its engine
+    # was free to start the next one then).
+    prefill_free_at_s: Mapping[str, float] = field(default_factory=dict)
 
 
 class PendingWork:
@@ -96,6 +99,7 @@ class PendingWork:
         self._groups: dict[str, dict[str, dict[str, PendingRequest]]] = {
             name: defaultdict(dict) for name in ("in_prefill", "on_decode", "ended_on_decode")}
         self._left: dict[str, dict[str, int]] = defaultdict(dict)  # prefill worker -> id -> references
+        self._free_at: dict[str, float] = {}  # prefill worker -> when its last prefill seen here ended
         self._frozen: dict[tuple[str, str], object] = {}
         self._lock = threading.Lock()
 
@@ -149,6 +153,7 @@ class PendingWork:
             if record is not None and record.in_prefill:
                 self._drop("in_prefill", record.prefill_worker, request_id)
                 self._mark_left(record.prefill_worker, request_id, +1)
+                self._free_at[record.prefill_worker] = now_s
                 self._set(_with(record, prefill_done_at_s=now_s, ready_at_s=now_s))
 
     def decode_started(self, request_id: str, now_s: float) -> None:
@@ -172,6 +177,7 @@ class PendingWork:
                 if record.in_prefill:
                     self._drop("in_prefill", record.prefill_worker, request_id)
                     self._mark_left(record.prefill_worker, request_id, +1)
+                    self._free_at[record.prefill_worker] = now_s
                 self._drop("on_decode", record.decode_worker, request_id)
                 ended = _with(record, finished_at_s=now_s)
                 self._ended.append(ended)
@@ -212,6 +218,7 @@ class PendingWork:
                 on_decode=by_worker("on_decode", self._groups["on_decode"]),
                 decode_jobs=by_worker("decode_jobs", self._groups["on_decode"]),
                 ended_on_decode=by_worker("ended_on_decode", self._groups["ended_on_decode"]),
+                prefill_free_at_s=dict(self._free_at),
             )
 
     def __len__(self) -> int:

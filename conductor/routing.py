@@ -99,7 +99,11 @@ class WorkerView:
     decode_jobs: tuple[DecodeJob, ...] = ()  # decode: the requests this Conductor knows there
     usable_blocks: int = 0  # prefill only: deepest reusable prefix (blocks) held for THIS request
     usable_tier: Tier | None = None  # slowest tier in that prefix
-    slowdown: float = 1.0  # prefill only: observed / predicted prefill time lately (conductor.speed)
+    # Prefill only, its pace lately (conductor.speed): engine time over the calibrated one, the KV
+    # hand-off each prefill adds, the dispatch (RPCs, Conductor) around the worker's queue and prefill.
+    slowdown: float = 1.0
+    handoff_s: float = 0.0
+    dispatch_s: float = 0.0
     cpp_stages: int = 1  # prefill only: a chunked-pipeline group of this many stages (conductor.cpp)
     cpp_chunk_tokens: int = 0  # its pipeline chunk
 
@@ -196,17 +200,20 @@ class ReusePlan:
 class Prediction:
     """What a time-aware policy predicted for its decision (zeros: it predicts nothing)."""
 
-    ttft_s: float = 0.0  # queue + transfer + prefill on the chosen worker
+    ttft_s: float = 0.0  # dispatch + queue + transfer + prefill on the chosen worker
     queue_s: float = 0.0
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0  # the engine's time x the worker's slowdown, plus its hand-off
     transfer_s: float = 0.0
     tbt_s: float = 0.0  # decode step time on the chosen decode worker after this request joins
-    slowdown: float = 1.0  # the prefill worker's speed factor the times above were scaled by
+    slowdown: float = 1.0  # the prefill worker's speed factor the engine's time was scaled by
+    handoff_s: float = 0.0  # of prefill_s, the worker's KV hand-off (conductor.speed)
+    dispatch_s: float = 0.0  # of ttft_s, the RPCs and the Conductor around the worker
 
     @property
     def model_prefill_s(self) -> float:
-        """The calibrated cost model's prefill time, before the worker's speed factor."""
-        return self.prefill_s / self.slowdown if self.slowdown > 0 else self.prefill_s
+        """The calibrated cost model's prefill time, before the worker's speed factor and hand-off."""
+        engine_s = max(0.0, self.prefill_s - self.handoff_s)
+        return engine_s / self.slowdown if self.slowdown > 0 else engine_s
 
 
 @dataclass(frozen=True)

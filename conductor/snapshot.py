@@ -25,8 +25,10 @@ from clusterstate.workers import PrefillJobLoad, WorkerInfo, WorkerLoad, WorkerR
 from conductor.dispatch import request_of
 from conductor.pending import PendingView
 from conductor.routing import ClusterSnapshot, WorkerView
+from conductor.speed import Pace
 from kvstore.index import MatchSnapshot
 
+_NO_PACE = Pace()
 _VIEW_DEFAULTS = {f.name: f.default for f in dataclasses.fields(WorkerView) if f.default is not dataclasses.MISSING}
 
 
@@ -67,11 +69,11 @@ class RegistryEntry:
         return self.info.transfer_address
 
 
-def _prefill_jobs(entry: RegistryEntry, pending: PendingView) -> tuple[PrefillJobLoad, ...]:
+def _prefill_jobs(entry: RegistryEntry, pending: PendingView, now_s: float) -> tuple[PrefillJobLoad, ...]:
     w = entry.worker_id
     own = pending.prefill_jobs.get(w, ())
     if not entry.load.prefill_jobs:
-        return own  # the heartbeat lists nothing: every job known is this Conductor's
+        return _with_head_running(own, w, pending, now_s)  # the heartbeat lists nothing: every job is ours
     left = pending.left_prefill.get(w, frozenset())
     jobs = [PrefillJobLoad(j.request_id, j.num_new_tokens, j.num_reused_tokens,
                            j.elapsed_s + entry.load_age_s if j.elapsed_s > 0 else 0.0)
@@ -79,7 +81,30 @@ def _prefill_jobs(entry: RegistryEntry, pending: PendingView) -> tuple[PrefillJo
     if own:
         listed = {request_of(j.request_id) for j in entry.load.prefill_jobs}
         jobs += [j for j in own if j.request_id not in listed]
-    return tuple(jobs)
+    return _with_head_running(tuple(jobs), w, pending, now_s)
+
+
+def _with_head_running(jobs: tuple[PrefillJobLoad, ...], worker_id: str, pending: PendingView,
+                       now_s: float) -> tuple[PrefillJobLoad, ...]:
+    """``jobs`` with the one running, when none is known to run: the worker runs its prefills
+    one at a time and starts the next when one ends, so of this Conductor's jobs there the one
+    routed first has run since it was routed or since the last prefill this Conductor saw end
+    there, whichever is later. Without it a job that is half done would count in full in the
+    next request's queue (a heartbeat lists it as running only every interval)."""
+    records = pending.in_prefill.get(worker_id)
+    if not records or any(j.elapsed_s > 0 for j in jobs):
+        return jobs
+    first = records[0]  # the overlay keeps a worker's jobs in routing order
+    elapsed_s = now_s - max(first.routed_at_s, pending.prefill_free_at_s.get(worker_id, first.routed_at_s))
+    if elapsed_s <= 0:
+        return jobs
+    head = 0 if jobs[0].request_id == first.request_id else next(
+        (i for i, j in enumerate(jobs) if request_of(j.request_id) == first.request_id), None)
+    if head is None:  # a retry whose earlier placement the heartbeat still lists
+        return jobs
+    j = jobs[head]
+    return (*jobs[:head], PrefillJobLoad(j.request_id, j.num_new_tokens, j.num_reused_tokens, elapsed_s),
+            *jobs[head + 1:])
 
 
 @functools.lru_cache(maxsize=256)
@@ -118,10 +143,10 @@ def _decode_view(entry: RegistryEntry, pending: PendingView) -> WorkerView:
 
 def build_snapshot(registry: Sequence[RegistryEntry], matches: MatchSnapshot | None, pending: PendingView,
                    now_s: float, prefix_rate_per_s: float = 0.0,
-                   slowdown: Mapping[str, float] | None = None) -> ClusterSnapshot:
+                   paces: Mapping[str, Pace] | None = None) -> ClusterSnapshot:
     """The snapshot for one request (``matches``: the index's answer for its keys, or None;
-    ``slowdown``: each prefill worker's observed/predicted prefill time, default 1)."""
-    slowdown = slowdown or {}
+    ``paces``: each prefill worker's pace lately, ``conductor.speed``; default ``Pace()``)."""
+    paces = paces or {}
     by_worker = {m.worker_id: m for m in matches.matches} if matches is not None else {}
     prefill, decode = [], []
     for entry in registry:
@@ -129,12 +154,14 @@ def build_snapshot(registry: Sequence[RegistryEntry], matches: MatchSnapshot | N
             decode.append(_decode_view(entry, pending))
             continue
         m = by_worker.get(entry.worker_id)
+        pace = paces.get(entry.worker_id, _NO_PACE)
         usable = m.num_blocks_usable if m is not None else 0
         prefill.append(_view(
             worker_id=entry.worker_id, role=WorkerRole.PREFILL, rpc_address=entry.rpc_address,
             transfer_address=entry.transfer_address, num_free_pages=entry.load.num_free_pages,
-            num_running=entry.load.num_running, prefill_jobs=_prefill_jobs(entry, pending), usable_blocks=usable,
-            usable_tier=m.slowest_usable_tier if usable else None, slowdown=slowdown.get(entry.worker_id, 1.0),
+            num_running=entry.load.num_running, prefill_jobs=_prefill_jobs(entry, pending, now_s), usable_blocks=usable,
+            usable_tier=m.slowest_usable_tier if usable else None, slowdown=pace.slowdown,
+            handoff_s=pace.handoff_s, dispatch_s=pace.dispatch_s,
             cpp_stages=entry.info.cpp_stages, cpp_chunk_tokens=entry.info.cpp_chunk_tokens,
         ))
     return ClusterSnapshot(tuple(prefill), tuple(decode), now_s, prefix_rate_per_s)

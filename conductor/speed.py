@@ -1,30 +1,74 @@
-"""How much slower (or faster) each prefill worker runs than the cost model predicts.
+"""How each prefill worker's requests take longer than the cost model predicts: a factor on
+the engine's time, the KV hand-off every prefill adds, and the dispatch around it.
 
-The cost models are calibrated on an idle machine; a live worker shares cores with its
-neighbours (on one host, the decode worker and the Conductor), so its prefills take longer
-than predicted, and by how much changes with the load. After every prefill the Conductor
-feeds the worker's measured time and the *calibrated* prediction (before any factor: the
-decision's ``Prediction.model_prefill_s``) here. The factor is the ratio of exponentially
-decayed sums, ``sum(observed) / sum(calibrated)`` with decay ``1 - weight`` per prefill,
-starting from ``PRIOR_S`` seconds of each (factor 1). So
+The cost models are calibrated on an idle machine and time the engine alone; a live worker
+shares cores with its neighbours (on one host, the decode worker and the Conductor, and
+whatever else runs there), so its prefills take longer than predicted, and by how much
+changes with the load. A live request also pays for what the calibration never sees. Its
+time from routing to its first token at the Conductor, as the worker reports it::
 
-- requests decided under the same factor and finishing together do not compound it (each
-  sample is against the calibration, not against the factor in force when it was routed);
-- a prefill weighs in proportion to its length: a tiny one whose fixed cost makes it 7x its
-  prediction moves the factor by milliseconds' worth, not by 7x.
+    routed ─ dispatch ─► worker queue ─► engine (reuse, compute, store) ─► hand-off ─► first token
+             (Reserve,    (other          the calibrated part, x factor     (the KV push
+              the RPCs)    prefills)                                         and the verdict)
 
-Clamped to [MIN_FACTOR, MAX_FACTOR]. The snapshot hands it to the policy, which scales that
-worker's predicted queue and prefill times by it. A worker not seen yet has factor 1.
-Thread-safe.
+After every prefill the Conductor feeds the *calibrated* prediction (before any factor: the
+decision's ``Prediction.model_prefill_s``) and the worker's measured engine time, hand-off
+and queue wait here, with the time from routing to the first token (``observe``).
+
+- ``slowdown``: the ratio of exponentially decayed sums, ``sum(engine) / sum(calibrated)``
+  with decay ``1 - weight`` per prefill, starting from ``PRIOR_S`` seconds of each (factor
+  1). Requests decided under the same factor and finishing together do not compound it (each
+  sample is against the calibration), and a prefill weighs in proportion to its length: a
+  tiny one is not its fixed costs' multiple of the prediction, because those are not in it.
+  Clamped to [MIN_FACTOR, MAX_FACTOR].
+- ``handoff_s``: the decayed mean of the hand-off, a fixed cost per prefill (the worker
+  holds its engine through it, so it counts in every queued job too).
+- ``dispatch_s``: the decayed mean of what routing-to-first-token leaves once the worker's
+  queue wait and prefill are taken out: the Reserve and Prefill RPCs and the Conductor's
+  own work, on the cores it shares.
+
+A worker not seen yet has ``Pace()`` (factor 1, no overheads); the first sample of each mean
+sets it. The snapshot hands the paces to the policy (``WorkerView``), which scales and adds
+them to that worker's predicted queue and prefill times. Thread-safe.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 MIN_FACTOR, MAX_FACTOR = 0.25, 8.0
-PRIOR_S = 0.5  # seconds of observed and calibrated time a new worker starts with (factor 1)
+PRIOR_S = 0.5  # seconds of engine and calibrated time a new worker starts with (factor 1)
+
+
+@dataclass(frozen=True)
+class Pace:
+    """One prefill worker's correction of the cost model lately (see the module docstring)."""
+
+    slowdown: float = 1.0
+    handoff_s: float = 0.0
+    dispatch_s: float = 0.0
+
+
+class _Sums:
+    __slots__ = ("engine", "calibrated", "handoff_s", "dispatch_s")
+
+    def __init__(self) -> None:
+        self.engine = self.calibrated = PRIOR_S
+        self.handoff_s: float | None = None
+        self.dispatch_s: float | None = None
+
+
+def _mean(old: float | None, x: float, weight: float) -> float:
+    return x if old is None else (1.0 - weight) * old + weight * x
+
+
+def dispatch_of(routed_to_first_s: float, queue_s: float, prefill_s: float) -> float:
+    """The dispatch of one request: routing to its first token at the Conductor less the
+    worker's queue wait and prefill, to the microsecond (what is left of subtracting a time
+    from itself is rounding, not dispatch), at least 0."""
+    return max(0.0, round(routed_to_first_s - queue_s - prefill_s, 6))
 
 
 class WorkerSpeed:
@@ -32,19 +76,33 @@ class WorkerSpeed:
         if not 0 < weight <= 1:
             raise ValueError(f"weight {weight} must be in (0, 1]")
         self.weight = weight
-        self._sums: dict[str, tuple[float, float]] = {}  # worker -> (observed, calibrated), decayed
+        self._sums: dict[str, _Sums] = {}
         self._lock = threading.Lock()
 
-    def observe(self, worker_id: str, calibrated_s: float, observed_s: float) -> None:
-        """One prefill on ``worker_id``: the calibrated prediction vs the measured seconds
-        (ignored when either is 0)."""
+    def observe(self, worker_id: str, calibrated_s: float, observed_s: float, handoff_s: float = 0.0,
+                dispatch_s: float | None = None) -> None:
+        """One prefill on ``worker_id``: the calibrated prediction vs the worker's measured
+        ``observed_s`` (its whole prefill, of which ``handoff_s`` handing off the KV);
+        ``dispatch_s``: what routing to the first token took beyond the worker's queue wait and
+        prefill (``dispatch_of``; None: not measured, the mean stays). A sample with
+        ``calibrated_s`` or ``observed_s`` 0 is ignored."""
         if calibrated_s <= 0 or observed_s <= 0:
             return
-        keep = 1.0 - self.weight
+        handoff_s = min(max(0.0, handoff_s), observed_s)
+        keep, w = 1.0 - self.weight, self.weight
         with self._lock:
-            obs, cal = self._sums.get(worker_id, (PRIOR_S, PRIOR_S))
-            self._sums[worker_id] = (keep * obs + observed_s, keep * cal + calibrated_s)
+            s = self._sums.setdefault(worker_id, _Sums())
+            s.engine = keep * s.engine + (observed_s - handoff_s)
+            s.calibrated = keep * s.calibrated + calibrated_s
+            s.handoff_s = _mean(s.handoff_s, handoff_s, w)
+            if dispatch_s is not None:
+                s.dispatch_s = _mean(s.dispatch_s, max(0.0, dispatch_s), w)
+
+    def paces(self) -> Mapping[str, Pace]:
+        with self._lock:
+            return {w: Pace(min(MAX_FACTOR, max(MIN_FACTOR, s.engine / s.calibrated)), s.handoff_s or 0.0,
+                            s.dispatch_s or 0.0) for w, s in self._sums.items()}
 
     def factors(self) -> Mapping[str, float]:
-        with self._lock:
-            return {w: min(MAX_FACTOR, max(MIN_FACTOR, obs / cal)) for w, (obs, cal) in self._sums.items()}
+        """Each worker's ``Pace.slowdown``."""
+        return {w: p.slowdown for w, p in self.paces().items()}

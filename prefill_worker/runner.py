@@ -200,7 +200,9 @@ class PrefillRunner:
             self.metrics.prefilled(len(job.token_ids) - cached, cached, prefill_s)
             self.metrics.stages(clock.seconds)
             loaded = max(0, cached - len(reuse.in_place) * self.cache.block_size)
-            return PrefillResult(first, cached, prefill_s, loaded)
+            s = clock.seconds
+            return PrefillResult(first, cached, prefill_s, loaded, queue_s=s["queue"],
+                                 handoff_s=s["push"] + s["verdict"])
         except BaseException as e:
             if sender is not None:
                 # Wait until the decode worker has handled the ABORT (and every frame before it):

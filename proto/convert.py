@@ -110,10 +110,11 @@ def prefill_call_from_proto(req: ipb.PrefillRequest, default_deadline_s: float) 
 
 def prefill_result_to_proto(result: PrefillResult, events: list[ipb.BlockEvent]) -> ipb.PrefillResponse:
     return ipb.PrefillResponse(first_token=result.first_token, cached_tokens=result.cached_tokens,
-                               prefill_s=result.prefill_s, events=events, loaded_tokens=result.loaded_tokens)
+                               prefill_s=result.prefill_s, events=events, loaded_tokens=result.loaded_tokens,
+                               queue_s=result.queue_s, handoff_s=result.handoff_s)
 
 
 def prefill_result_from_proto(worker_id: str, resp: ipb.PrefillResponse) -> PrefillResult:
     """``ValueError`` for a malformed block event (a peer's broken contract)."""
     return PrefillResult(resp.first_token, resp.cached_tokens, resp.prefill_s, resp.loaded_tokens,
-                         tuple(block_event_from_proto(worker_id, e) for e in resp.events))
+                         tuple(block_event_from_proto(worker_id, e) for e in resp.events), resp.queue_s, resp.handoff_s)

@@ -38,6 +38,8 @@ class PrefillCall:
 class PrefillResult:
     first_token: int
     cached_tokens: int
-    prefill_s: float  # the worker's own time for it
+    prefill_s: float  # the worker's own time for it (engine taken to the decode worker's verdict)
     loaded_tokens: int = 0  # of cached_tokens, those copied into pages (the rest reused in place)
     events: tuple[BlockEvent, ...] = ()  # blocks the prefill stored, for the index (the Conductor's side)
+    queue_s: float = 0.0  # the worker's wait for its engine before prefill_s began (other prefills)
+    handoff_s: float = 0.0  # of prefill_s, handing the KV to the decode worker: the push and the verdict

@@ -219,7 +219,9 @@ class Simulation:
         life.cached_tokens, life.loaded_tokens, life.prefill_worker_s = (job.num_reused_tokens, job.num_loaded_tokens,
                                                                          job.worker_s)
         # The modelled worker put its blocks into the index itself, as a live response's events are.
-        self.core.prefilled(job.request_id, d.prefill_worker, d.predicted.model_prefill_s, job.worker_s)
+        # What the live Conductor learns of the dispatch around the worker (conductor.speed).
+        self.core.prefilled(job.request_id, d.prefill_worker, d.predicted.model_prefill_s, job.worker_s,
+                            dispatch_s=self.config.overheads.dispatch_s)
         r = life.req
         decode = self.cluster.decode[d.decode_worker]
         # The response's handling and the verdict stretch the step in progress; an idle loop's

@@ -226,3 +226,27 @@ def test_prefix_heat_stays_bounded_and_forgets_the_coldest_first() -> None:
     assert heat.rate(b"hot", 11.0) > 0.1  # 5 accesses 11 s ago outweigh 1 access a moment ago
     assert heat.rate((999).to_bytes(4, "big"), 11.0) > 0  # the newest stay
     assert heat.rate((0).to_bytes(4, "big"), 11.0) == 0  # the oldest single accesses went first
+
+
+def test_the_first_of_its_own_jobs_runs_since_it_was_routed_or_the_last_prefill_there_ended() -> None:
+    pending = PendingWork()
+
+    def route(rid: str, now: float) -> None:
+        pending.route(RouteRequest(rid, 0, 100, 6, 20, BS), RouteDecision("p", "d", ReusePlan(0, None)), now)
+
+    def jobs(now: float, load: WorkerLoad | None = None) -> dict[str, float]:
+        snap = build_snapshot((entry("p", "prefill", load or WorkerLoad()), entry("d", "decode")), None,
+                              pending.view(), now)
+        return {j.request_id: j.elapsed_s for j in snap.prefill[0].prefill_jobs}
+
+    route("a", 0.0)
+    route("b", 0.1)
+    assert jobs(0.0) == {"a": 0.0, "b": 0.0}  # nothing has run yet
+    assert jobs(0.3) == {"a": pytest.approx(0.3), "b": 0.0}  # a runs, b waits behind it
+    pending.prefill_done("a", 0.4)
+    assert jobs(0.5) == {"b": pytest.approx(0.1)}  # b started when a ended, not when it was routed
+    route("c", 0.6)
+    assert jobs(0.7) == {"b": pytest.approx(0.3), "c": 0.0}
+    # A heartbeat that shows a job running is believed as it is.
+    beat = WorkerLoad(prefill_jobs=(PrefillJobLoad("b", 100, 0, 0.05), PrefillJobLoad("c", 100)))
+    assert jobs(0.7, beat) == {"b": pytest.approx(0.05), "c": 0.0}

@@ -222,3 +222,29 @@ def test_a_worker_that_runs_slower_than_calibrated_predicts_longer() -> None:
     assert speed.factors()["w"] < 3.05  # moves it by its milliseconds, not by 50x
     speed.observe("w", calibrated_s=1.0, observed_s=1000.0)
     assert speed.factors()["w"] == 8.0  # clamped
+
+
+def test_a_workers_hand_off_and_dispatch_add_to_its_predictions_and_not_to_its_factor() -> None:
+    from conductor.speed import WorkerSpeed, dispatch_of
+
+    speed = WorkerSpeed(weight=0.5)
+    # 1.5 s of prefill of which 0.5 s handing off the KV: the engine ran at the calibrated speed
+    speed.observe("w", calibrated_s=1.0, observed_s=1.5, handoff_s=0.5, dispatch_s=0.02)
+    pace = speed.paces()["w"]
+    assert (pace.slowdown, pace.handoff_s, pace.dispatch_s) == (pytest.approx(1.0), 0.5, 0.02)  # first samples set
+    speed.observe("w", calibrated_s=1.0, observed_s=1.1, handoff_s=0.1)  # no dispatch measured: its mean stays
+    pace = speed.paces()["w"]
+    assert (pace.handoff_s, pace.dispatch_s) == (pytest.approx(0.3), 0.02)
+    speed.observe("w", calibrated_s=0.01, observed_s=0.5, handoff_s=0.49)  # a tiny prefill: slow only by its hand-off
+    assert speed.factors()["w"] == pytest.approx(1.0)
+    assert dispatch_of(0.3, 0.1, 0.2) == 0.0 and dispatch_of(0.3, 0.1, 0.15) == pytest.approx(0.05)
+    assert dispatch_of(0.1, 0.2, 0.0) == 0.0  # never negative
+
+    jobs = queued(1, 500)  # 0.5 s calibrated
+    w = WorkerView("w", "prefill", "rpc", "tcp://w", prefill_jobs=jobs, slowdown=2.0, handoff_s=0.1, dispatch_s=0.01)
+    assert queue_s(w, COSTS) == pytest.approx(2 * 0.5 + 0.1)  # a queued job holds the engine through its hand-off
+    decision = policy()(snap([w]), request())
+    p = decision.predicted
+    assert (p.queue_s, p.prefill_s, p.dispatch_s, p.handoff_s) == pytest.approx((1.1, 2 * 1.001 + 0.1, 0.01, 0.1))
+    assert p.ttft_s == pytest.approx(0.01 + 1.1 + 2.102)
+    assert p.model_prefill_s == pytest.approx(1.001)  # what the speed tracker compares with the engine's time

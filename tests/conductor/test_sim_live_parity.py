@@ -78,8 +78,8 @@ def record(sim: Simulation) -> list[Step]:
     def transition(name: str):
         original = getattr(core, name)
 
-        def recorded(*args):
-            result = original(*args)
+        def recorded(*args, **kwargs):
+            result = original(*args, **kwargs)
             step = Step(name, now(), args, core.pending.view())
             if name == "route":
                 step.outcome = result.outcome
@@ -149,8 +149,8 @@ class RecordedDispatcher:
         return f"tcp://{decode_worker}"
 
     def prefill(self, prefill_worker: str, call: PrefillCall, on_cancel) -> PrefillResult:
-        worker_s = self.gates[call.placement_id.split("/")[0]].wait_for_answer()
-        return PrefillResult(65, 0, worker_s)
+        worker_s, queue_s = self.gates[call.placement_id.split("/")[0]].wait_for_answer()
+        return PrefillResult(65, 0, worker_s, queue_s=queue_s)
 
     def decode(self, decode_worker: str, request_id: str, first_token: int, sampling: SamplingParams,
                num_prompt_tokens: int, deadline_s: float, on_cancel) -> Iterator[DecodeChunk]:
@@ -245,6 +245,7 @@ def test_the_simulator_and_the_live_lifecycle_decide_and_account_alike(policy: s
         assert any(s.kind == "route" and not hasattr(s.outcome, "branch") for s in steps)  # some rejected
 
     num_compared = 0
+    routed_at: dict[str, float] = {}
     for i, step in enumerate(steps):
         live.at(step.t)
         if step.kind == "beat":
@@ -256,13 +257,15 @@ def test_the_simulator_and_the_live_lifecycle_decide_and_account_alike(policy: s
         rid = step.args[0].request_id if step.kind == "route" else step.args[0]
         gate = live.dispatcher.gates.get(rid)
         if step.kind == "route":
+            routed_at[rid] = step.t
             live.start(rid, seqs[rid])
             assert live.routed[rid] == step.outcome, f"step {i}: {rid} decided differently"
         elif step.kind == "prefilled":
-            # The worker's time for it, as a Prefill response carries it. The live request goes
-            # on at once to its batch (decoding) or, with one token, to its end (finished):
-            # compared at the simulator's next step for it.
-            gate.answer(step.args[3])
+            # The worker's time for it and its wait for the engine (the simulator's dispatch is
+            # 0), as a Prefill response carries them. The live request goes on at once to its
+            # batch (decoding) or, with one token, to its end (finished): compared at the
+            # simulator's next step for it.
+            gate.answer((step.args[3], step.t - routed_at[rid] - step.args[3]))
             continue
         elif step.kind == "generated":
             gate.answer(step.args[1])

@@ -8,6 +8,7 @@ import threading
 from collections import Counter
 
 import grpc
+import pytest
 
 import engine
 from conductor.client import Client, Completion
@@ -74,4 +75,7 @@ def test_overload_is_rejected_early_by_predicted_ttft_and_the_admitted_stay_exac
             assert r.num_terminal == 1 and r.finish_reason == "length"
             assert r.token_ids == engine.generate(reference, prompts[i], 5)
             assert 0 < r.predicted_ttft_s <= 1.5
+            t = r.timing  # the prediction's parts, as the terminal message reports them
+            parts = t.predicted_dispatch_s + t.predicted_queue_s + t.predicted_transfer_s + t.predicted_prefill_s
+            assert parts == pytest.approx(t.predicted_ttft_s) and t.predicted_slowdown > 0
         wait_all_freed(c)
