@@ -50,6 +50,14 @@ class RegistryEntry:
     load: WorkerLoad
     load_age_s: float = 0.0
 
+    @classmethod
+    def of(cls, info: WorkerInfo, load: WorkerLoad, load_age_s: float) -> RegistryEntry:
+        """``RegistryEntry(info, load, load_age_s)`` without the frozen dataclass's per-field
+        ``__setattr__`` (a registry view makes one per worker per decision)."""
+        entry = object.__new__(cls)
+        entry.__dict__.update(info=info, load=load, load_age_s=load_age_s)
+        return entry
+
     @property
     def worker_id(self) -> str:
         return self.info.worker_id
@@ -137,4 +145,9 @@ def build_snapshot(registry: Sequence[RegistryEntry], matches: MatchSnapshot | N
             usable_tier=m.slowest_usable_tier if usable else None, slowdown=slowdown.get(entry.worker_id, 1.0),
             cpp_stages=entry.info.cpp_stages, cpp_chunk_tokens=entry.info.cpp_chunk_tokens,
         ))
-    return ClusterSnapshot(tuple(prefill), tuple(decode), now_s, prefix_rate_per_s)
+    # Made without ClusterSnapshot's checks (two passes over every worker, per decision): each
+    # view's role is set above from the registry's, whose worker ids are unique.
+    snapshot = object.__new__(ClusterSnapshot)
+    snapshot.__dict__.update(prefill=tuple(prefill), decode=tuple(decode), time_s=now_s,
+                             prefix_rate_per_s=prefix_rate_per_s)
+    return snapshot
