@@ -124,27 +124,83 @@ def _decode_view(entry: RegistryEntry, pending: PendingView) -> WorkerView:
     )
 
 
+class ViewMemo:
+    """The view last made of each worker, with what it was made from: the same objects (the
+    registration, the heartbeat's load, the pending overlay's frozen groups, which it replaces
+    only when they change) and the same values. A worker whose inputs are all unchanged gets
+    that view back instead of a new, equal one; views are frozen, so no policy can tell. On a
+    large cluster most workers did nothing since the last decision, and this saves most of a
+    snapshot's work. One per ``ConductorCore``, used under its lock; holds one entry per worker
+    (a worker that left keeps its entry until its id registers again, a few hundred bytes)."""
+
+    def __init__(self) -> None:
+        self.prefill: dict[str, tuple] = {}
+        self.decode: dict[str, tuple] = {}
+
+
+def _prefill_view(entry: RegistryEntry, pending: PendingView, m, slowdown: float) -> WorkerView:
+    usable = m.num_blocks_usable if m is not None else 0
+    return _view(
+        worker_id=entry.worker_id, role=WorkerRole.PREFILL, rpc_address=entry.rpc_address,
+        transfer_address=entry.transfer_address, num_free_pages=entry.load.num_free_pages,
+        num_running=entry.load.num_running, prefill_jobs=_prefill_jobs(entry, pending), usable_blocks=usable,
+        usable_tier=m.slowest_usable_tier if usable else None, slowdown=slowdown,
+        cpp_stages=entry.info.cpp_stages, cpp_chunk_tokens=entry.info.cpp_chunk_tokens,
+    )
+
+
+def _memo_prefill_view(memo: ViewMemo, entry: RegistryEntry, pending: PendingView, m, slowdown: float) -> WorkerView:
+    """``_prefill_view``, or the same view as last time when nothing it reads has changed: the
+    registration and load (the same objects), the load's age (only read when the heartbeat
+    lists jobs), this Conductor's jobs there and the requests that left it (the overlay's
+    groups), the matched prefix (usable blocks, slowest tier) and the speed factor."""
+    w, load = entry.worker_id, entry.load
+    usable = m.num_blocks_usable if m is not None else 0
+    tier = m.slowest_usable_tier if usable else None
+    listed = bool(load.prefill_jobs)
+    age = entry.load_age_s if listed else None
+    own, left = pending.prefill_jobs.get(w), pending.left_prefill.get(w) if listed else None
+    hit = memo.prefill.get(w)
+    if (hit is not None and hit[0] is entry.info and hit[1] is load and hit[2] == age and hit[3] is own
+            and hit[4] is left and hit[5] == usable and hit[6] is tier and hit[7] == slowdown):
+        return hit[8]
+    view = _prefill_view(entry, pending, m, slowdown)
+    memo.prefill[w] = (entry.info, load, age, own, left, usable, tier, slowdown, view)
+    return view
+
+
+def _memo_decode_view(memo: ViewMemo, entry: RegistryEntry, pending: PendingView) -> WorkerView:
+    """``_decode_view``, or the same view as last time when its registration, load and overlay
+    groups are the same objects (a decode view does not depend on the load's age)."""
+    w = entry.worker_id
+    own, ended, jobs = pending.on_decode.get(w), pending.ended_on_decode.get(w), pending.decode_jobs.get(w)
+    hit = memo.decode.get(w)
+    if (hit is not None and hit[0] is entry.info and hit[1] is entry.load and hit[2] is own and hit[3] is ended
+            and hit[4] is jobs):
+        return hit[5]
+    view = _decode_view(entry, pending)
+    memo.decode[w] = (entry.info, entry.load, own, ended, jobs, view)
+    return view
+
+
 def build_snapshot(registry: Sequence[RegistryEntry], matches: MatchSnapshot | None, pending: PendingView,
                    now_s: float, prefix_rate_per_s: float = 0.0,
-                   slowdown: Mapping[str, float] | None = None) -> ClusterSnapshot:
+                   slowdown: Mapping[str, float] | None = None, memo: ViewMemo | None = None) -> ClusterSnapshot:
     """The snapshot for one request (``matches``: the index's answer for its keys, or None;
-    ``slowdown``: each prefill worker's observed/predicted prefill time, default 1)."""
+    ``slowdown``: each prefill worker's observed/predicted prefill time, default 1; ``memo``:
+    the views of the last snapshot built with it, reused where nothing changed, see
+    ``ViewMemo``; the snapshot is the same with or without)."""
     slowdown = slowdown or {}
     by_worker = {m.worker_id: m for m in matches.matches} if matches is not None else {}
     prefill, decode = [], []
     for entry in registry:
+        w = entry.worker_id
         if entry.role is WorkerRole.DECODE:
-            decode.append(_decode_view(entry, pending))
-            continue
-        m = by_worker.get(entry.worker_id)
-        usable = m.num_blocks_usable if m is not None else 0
-        prefill.append(_view(
-            worker_id=entry.worker_id, role=WorkerRole.PREFILL, rpc_address=entry.rpc_address,
-            transfer_address=entry.transfer_address, num_free_pages=entry.load.num_free_pages,
-            num_running=entry.load.num_running, prefill_jobs=_prefill_jobs(entry, pending), usable_blocks=usable,
-            usable_tier=m.slowest_usable_tier if usable else None, slowdown=slowdown.get(entry.worker_id, 1.0),
-            cpp_stages=entry.info.cpp_stages, cpp_chunk_tokens=entry.info.cpp_chunk_tokens,
-        ))
+            decode.append(_decode_view(entry, pending) if memo is None else _memo_decode_view(memo, entry, pending))
+        elif memo is None:
+            prefill.append(_prefill_view(entry, pending, by_worker.get(w), slowdown.get(w, 1.0)))
+        else:
+            prefill.append(_memo_prefill_view(memo, entry, pending, by_worker.get(w), slowdown.get(w, 1.0)))
     # Made without ClusterSnapshot's checks (two passes over every worker, per decision): each
     # view's role is set above from the registry's, whose worker ids are unique.
     snapshot = object.__new__(ClusterSnapshot)
