@@ -25,12 +25,16 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from clusterstate.registry import Clock, WorkerEntry, WorkerRegistry
 from clusterstate.workers import WorkerInfo, WorkerLoad
 from kvstore.block_index import BlockHold, BlockIndex
 from kvstore.blocks import BlockKey
-from kvstore.index import BlockEvent, MatchSnapshot
+from kvstore.index import BlockEvent, MatchSnapshot, check_keys
+
+if TYPE_CHECKING:
+    from kvstore.placement import StoreEvent
 
 
 class ClusterState:
@@ -97,6 +101,19 @@ class ClusterState:
                     self._blocks.apply(event)
                     num_applied += 1
             return num_applied
+
+    def apply_store_events(self, worker_id: str, events: Sequence[StoreEvent], at_s: float | None = None) -> int:
+        """One worker's store changes, in order (``kvstore.placement.StoreEvent``: "stored" and
+        "moved" set its holding, "removed" drops it), applied exactly as ``apply`` applies the
+        ``BlockEvent`` of each, without making one per block (the simulator's prefill workers
+        publish this way); how many were applied (none when the worker was not alive then)."""
+        with self._lock:
+            self._reap()
+            if not events or not self._registry.is_alive(worker_id, at_s):
+                return 0
+            check_keys([e.key for e in events])
+            self._blocks.apply_store_events(worker_id, events)
+            return len(events)
 
     def remove(self, worker_id: str) -> bool:
         """Forget a worker and all its blocks; return whether it was known."""

@@ -26,7 +26,7 @@ from conductor.heat import PrefixHeat
 from conductor.pending import PendingWork
 from conductor.replicas import RemoteReplicas, routed_entry
 from conductor.routing import ClusterSnapshot, Policy, Rejection, RejectKind, RouteDecision, RouteRequest, WorkerView
-from conductor.snapshot import RegistryEntry, build_snapshot
+from conductor.snapshot import RegistryEntry, ViewMemo, build_snapshot
 from conductor.speed import WorkerSpeed
 from kvstore.blocks import BlockKey, chain_keys
 from kvstore.index import BlockEvent, MatchSnapshot
@@ -95,6 +95,7 @@ class ConductorCore:
         self.speed = WorkerSpeed()
         self._share = share
         self.replicas = RemoteReplicas(self.pending)
+        self._views = ViewMemo()  # the last snapshot's views, reused where nothing changed
         # One decision at a time: a request must see the overlay of the one routed just before it.
         self._lock = threading.Lock()
 
@@ -118,7 +119,8 @@ class ConductorCore:
             now_s = self.clock.now()
             rate = self.heat.touch(keys[0], now_s) if keys else 0.0
             registry = self.cluster.registry_view(self.clock.wall())
-            snapshot = build_snapshot(registry, matches, self.pending.view(), now_s, rate, self.speed.paces())
+            snapshot = build_snapshot(registry, matches, self.pending.view(), now_s, rate, self.speed.paces(),
+                                      self._views)
             if avoid:
                 snapshot = ClusterSnapshot(_without(snapshot.prefill, avoid), _without(snapshot.decode, avoid),
                                            snapshot.time_s, snapshot.prefix_rate_per_s)

@@ -93,7 +93,8 @@ def with_pipeline(policy: Policy, costs: CostModels | None) -> Policy:
         decision = policy(snapshot, request)
         if not isinstance(decision, RouteDecision):
             return decision
-        worker = snapshot.find(decision.prefill_worker)
+        chosen = decision.prefill_worker
+        worker = next((w for w in snapshot.prefill if w.worker_id == chosen), None)
         if worker is None or worker.cpp_stages <= 1:
             return decision
         reused = min(decision.reuse.num_blocks * request.block_size, request.num_prompt_tokens - 1)

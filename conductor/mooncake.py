@@ -81,7 +81,8 @@ def prefill_options(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cos
                     config) -> list[PrefillOption]:
     """Every (worker, local or pull) option of Algorithm 1, in snapshot order. What every
     worker's pull shares (the prefix, its prefill time before the worker's speed factor, its
-    transfer time per backend) is predicted once."""
+    transfer time per backend) is predicted once, and so is a plain worker's prefill of each
+    reuse depth (most workers reuse nothing)."""
     n, bs = request.num_prompt_tokens, request.block_size
     cap = max_reuse_blocks(request)
     best = best_holder(snapshot.prefill, request)
@@ -95,12 +96,18 @@ def prefill_options(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cos
         pull_tier = best.usable_tier if best.usable_tier is not None else Tier.DRAM
         pull_s_of: dict[str, float] = {}  # by the puller's transfer backend
     options = []
+    single_s: dict[int, float] = {}  # a plain worker's prefill by reuse depth: unit_prefill_s's for cpp_stages 1
     for w in snapshot.prefill:
         local = min(w.usable_blocks, cap)
         wait = queue_s(w, costs)
         branch = RouteBranch.LOCAL if local else RouteBranch.COLD
-        options.append(PrefillOption(w, ReusePlan(local, None), branch, wait, 0.0,
-                                     worker_prefill_s(w, unit_prefill_s(costs, w, n - local * bs, local * bs))))
+        if w.cpp_stages > 1:
+            unit_s = unit_prefill_s(costs, w, n - local * bs, local * bs)
+        else:
+            unit_s = single_s.get(local)
+            if unit_s is None:
+                unit_s = single_s[local] = costs.prefill_s(n - local * bs, local * bs)
+        options.append(PrefillOption(w, ReusePlan(local, None), branch, wait, 0.0, worker_prefill_s(w, unit_s)))
         if may_replicate and best.worker_id != w.worker_id and best_blocks > config.balancing_threshold * local:
             backend = w.transfer_backend
             if backend not in pull_s_of:

@@ -52,6 +52,14 @@ class RegistryEntry:
     load: WorkerLoad
     load_age_s: float = 0.0
 
+    @classmethod
+    def of(cls, info: WorkerInfo, load: WorkerLoad, load_age_s: float) -> RegistryEntry:
+        """``RegistryEntry(info, load, load_age_s)`` without the frozen dataclass's per-field
+        ``__setattr__`` (a registry view makes one per worker per decision)."""
+        entry = object.__new__(cls)
+        entry.__dict__.update(info=info, load=load, load_age_s=load_age_s)
+        return entry
+
     @property
     def worker_id(self) -> str:
         return self.info.worker_id
@@ -141,27 +149,92 @@ def _decode_view(entry: RegistryEntry, pending: PendingView) -> WorkerView:
     )
 
 
+class ViewMemo:
+    """The view last made of each worker, with what it was made from: the same objects (the
+    registration, the heartbeat's load, the pending overlay's frozen groups, which it replaces
+    only when they change) and the same values. A worker whose inputs are all unchanged gets
+    that view back instead of a new, equal one; views are frozen, so no policy can tell. On a
+    large cluster most workers did nothing since the last decision, and this saves most of a
+    snapshot's work. One per ``ConductorCore``, used under its lock; holds one entry per worker
+    (a worker that left keeps its entry until its id registers again, a few hundred bytes)."""
+
+    def __init__(self) -> None:
+        self.prefill: dict[str, tuple] = {}
+        self.decode: dict[str, tuple] = {}
+
+
+def _prefill_view(entry: RegistryEntry, pending: PendingView, m, pace: Pace, now_s: float) -> WorkerView:
+    usable = m.num_blocks_usable if m is not None else 0
+    return _view(
+        worker_id=entry.worker_id, role=WorkerRole.PREFILL, rpc_address=entry.rpc_address,
+        transfer_address=entry.transfer_address, num_free_pages=entry.load.num_free_pages,
+        num_running=entry.load.num_running, prefill_jobs=_prefill_jobs(entry, pending, now_s), usable_blocks=usable,
+        usable_tier=m.slowest_usable_tier if usable else None, slowdown=pace.slowdown,
+        handoff_s=pace.handoff_s, dispatch_s=pace.dispatch_s,
+        cpp_stages=entry.info.cpp_stages, cpp_chunk_tokens=entry.info.cpp_chunk_tokens,
+    )
+
+
+def _memo_prefill_view(memo: ViewMemo, entry: RegistryEntry, pending: PendingView, m, pace: Pace,
+                       now_s: float) -> WorkerView:
+    """``_prefill_view``, or the same view as last time when nothing it reads has changed: the
+    registration and load (the same objects), the load's age (only read when the heartbeat
+    lists jobs), this Conductor's jobs there and the requests that left it (the overlay's
+    groups), the matched prefix (usable blocks, slowest tier) and the pace. A worker that holds
+    jobs this Conductor routed is made anew: its head job's elapsed time moves with the clock
+    (``_with_head_running``)."""
+    w, load = entry.worker_id, entry.load
+    if pending.in_prefill.get(w):
+        return _prefill_view(entry, pending, m, pace, now_s)
+    usable = m.num_blocks_usable if m is not None else 0
+    tier = m.slowest_usable_tier if usable else None
+    listed = bool(load.prefill_jobs)
+    age = entry.load_age_s if listed else None
+    own, left = pending.prefill_jobs.get(w), pending.left_prefill.get(w) if listed else None
+    hit = memo.prefill.get(w)
+    if (hit is not None and hit[0] is entry.info and hit[1] is load and hit[2] == age and hit[3] is own
+            and hit[4] is left and hit[5] == usable and hit[6] is tier and hit[7] == pace):
+        return hit[8]
+    view = _prefill_view(entry, pending, m, pace, now_s)
+    memo.prefill[w] = (entry.info, load, age, own, left, usable, tier, pace, view)
+    return view
+
+
+def _memo_decode_view(memo: ViewMemo, entry: RegistryEntry, pending: PendingView) -> WorkerView:
+    """``_decode_view``, or the same view as last time when its registration, load and overlay
+    groups are the same objects (a decode view does not depend on the load's age)."""
+    w = entry.worker_id
+    own, ended, jobs = pending.on_decode.get(w), pending.ended_on_decode.get(w), pending.decode_jobs.get(w)
+    hit = memo.decode.get(w)
+    if (hit is not None and hit[0] is entry.info and hit[1] is entry.load and hit[2] is own and hit[3] is ended
+            and hit[4] is jobs):
+        return hit[5]
+    view = _decode_view(entry, pending)
+    memo.decode[w] = (entry.info, entry.load, own, ended, jobs, view)
+    return view
+
+
 def build_snapshot(registry: Sequence[RegistryEntry], matches: MatchSnapshot | None, pending: PendingView,
                    now_s: float, prefix_rate_per_s: float = 0.0,
-                   paces: Mapping[str, Pace] | None = None) -> ClusterSnapshot:
+                   paces: Mapping[str, Pace] | None = None, memo: ViewMemo | None = None) -> ClusterSnapshot:
     """The snapshot for one request (``matches``: the index's answer for its keys, or None;
-    ``paces``: each prefill worker's pace lately, ``conductor.speed``; default ``Pace()``)."""
+    ``paces``: each prefill worker's pace lately, ``conductor.speed``; default ``Pace()``;
+    ``memo``: the views of the last snapshot built with it, reused where nothing changed, see
+    ``ViewMemo``; the snapshot is the same with or without)."""
     paces = paces or {}
     by_worker = {m.worker_id: m for m in matches.matches} if matches is not None else {}
     prefill, decode = [], []
     for entry in registry:
+        w = entry.worker_id
         if entry.role is WorkerRole.DECODE:
-            decode.append(_decode_view(entry, pending))
-            continue
-        m = by_worker.get(entry.worker_id)
-        pace = paces.get(entry.worker_id, _NO_PACE)
-        usable = m.num_blocks_usable if m is not None else 0
-        prefill.append(_view(
-            worker_id=entry.worker_id, role=WorkerRole.PREFILL, rpc_address=entry.rpc_address,
-            transfer_address=entry.transfer_address, num_free_pages=entry.load.num_free_pages,
-            num_running=entry.load.num_running, prefill_jobs=_prefill_jobs(entry, pending, now_s), usable_blocks=usable,
-            usable_tier=m.slowest_usable_tier if usable else None, slowdown=pace.slowdown,
-            handoff_s=pace.handoff_s, dispatch_s=pace.dispatch_s,
-            cpp_stages=entry.info.cpp_stages, cpp_chunk_tokens=entry.info.cpp_chunk_tokens,
-        ))
-    return ClusterSnapshot(tuple(prefill), tuple(decode), now_s, prefix_rate_per_s)
+            decode.append(_decode_view(entry, pending) if memo is None else _memo_decode_view(memo, entry, pending))
+        elif memo is None:
+            prefill.append(_prefill_view(entry, pending, by_worker.get(w), paces.get(w, _NO_PACE), now_s))
+        else:
+            prefill.append(_memo_prefill_view(memo, entry, pending, by_worker.get(w), paces.get(w, _NO_PACE), now_s))
+    # Made without ClusterSnapshot's checks (two passes over every worker, per decision): each
+    # view's role is set above from the registry's, whose worker ids are unique.
+    snapshot = object.__new__(ClusterSnapshot)
+    snapshot.__dict__.update(prefill=tuple(prefill), decode=tuple(decode), time_s=now_s,
+                             prefix_rate_per_s=prefix_rate_per_s)
+    return snapshot

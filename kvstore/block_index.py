@@ -76,6 +76,16 @@ class BlockIndex:
         else:
             self._drop(event.worker_id, event.key)
 
+    def apply_store_events(self, worker_id: str, events: Iterable) -> None:
+        """One worker's ``kvstore.placement.StoreEvent``s in order, as ``apply`` applies their
+        ``BlockEvent``s ("stored" and "moved" set the holding, "removed" drops it)."""
+        store, drop = self._store, self._drop
+        for e in events:
+            if e.kind == "removed":
+                drop(worker_id, e.key)
+            else:
+                store(worker_id, e.key, _HOLDS[(e.tier, e.has_snapshot)])
+
     def match(self, keys: Sequence[BlockKey], worker_ids: Iterable[str]) -> MatchSnapshot:
         """Per worker of ``worker_ids`` (sorted), its held and usable prefix of ``keys``."""
         # Rows up to the first key nobody holds (every prefix ends there), as one matrix.

@@ -46,7 +46,7 @@ class TierLedger:
         """Record a new key. ValueError if it is already here or would pass the capacity."""
         if key in self._sizes:
             raise ValueError(f"{self.name}: key {key.hex()} already present")
-        if not self.fits(size_bytes):
+        if size_bytes > self.capacity_bytes - self.used_bytes:  # not self.fits(size_bytes), inline: per block
             raise ValueError(
                 f"{self.name}: {size_bytes} bytes do not fit, {self.used_bytes} of {self.capacity_bytes} used"
             )

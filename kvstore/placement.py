@@ -11,10 +11,9 @@ its lock. Moves are counted in an optional ``StoreMetrics`` (evictions, demotion
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from kvstore.blocks import BlockKey, Tier
 from kvstore.device import DeviceTier
@@ -32,12 +31,12 @@ Blob = BlockPayload | bytes | bytearray | SizedBlob  # a payload, its encoded by
 Backend = DeviceTier | DramTier | SsdTier | SizedTier
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class StoreEvent:
+class StoreEvent(NamedTuple):
     """A change to the store, for a worker to publish to the global index ("stored" and
     "moved" map to ``index.BlockEvent.stored``, "removed" to ``BlockEvent.removed``).
     ``tier``: where the block is now (for "removed": where it was). ``has_snapshot``:
-    whether it carries a KDA snapshot."""
+    whether it carries a KDA snapshot. A named tuple (immutable like a frozen dataclass, made
+    in a fraction of its time: one per block stored, moved or dropped)."""
 
     kind: EventKind
     key: BlockKey

@@ -83,9 +83,9 @@ class SimCluster:
     def registry_view(self, wall_now_s: float) -> tuple[RegistryEntry, ...]:
         if self._entries is None:  # prefill workers then decode workers, each by id; infos fixed
             self._entries = [self._infos[wid] for workers in (self.prefill, self.decode) for wid in sorted(workers)]
-        loads = self._loads
-        return tuple(RegistryEntry(info, load, max(0.0, wall_now_s - load.timestamp_s))
-                     for info, load in ((info, loads[info.worker_id]) for info in self._entries))
+        loads, entry = self._loads, RegistryEntry.of
+        return tuple([entry(info, load, max(0.0, wall_now_s - load.timestamp_s))
+                      for info, load in [(info, loads[info.worker_id]) for info in self._entries]])
 
     def match(self, keys: Sequence[BlockKey]) -> MatchSnapshot | None:
         self.last_match = self.index.match(keys) if keys else None

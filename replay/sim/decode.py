@@ -191,11 +191,15 @@ class SimDecode:
         if steps <= 0:
             return
         times = [start + step_s * (i + 1) for i in range(steps)]
+        delayed, on_progress = bool(self.overheads.delivery_delay_quantiles_s), self.on_progress
         for r in self.running:
-            self._deliver(r, times)
+            if delayed:
+                self._deliver(r, times)
+            else:
+                r.token_times_s.extend(times)
             r.num_generated += steps
-            if r.remaining > 0:
-                self.on_progress(r)
+            if r.max_tokens > r.num_generated:  # r.remaining > 0, inline: per request per segment
+                on_progress(r)
 
     def _deliver(self, request: SimDecodeRequest, made_s: list[float]) -> None:
         """Appends when the tokens made at ``made_s`` reach the client (see the module docstring)."""

@@ -59,16 +59,29 @@ class KeyCache:
         k, new, old = blocks_per_trace_block, self._new, self._old
         out: list[bytes] = []
         parent, j = ROOT_KEY, 0
-        while j < num_full_blocks:  # the memoised part
-            memo = (parent, hash_ids[j // k], j % k, tenant)
-            key = new.get(memo)
-            if key is None:
-                key = old.get(memo)
+        if k == 1:  # the usual case, without the index arithmetic: block j is sub-block 0 of hash id j
+            for hash_id in hash_ids[:num_full_blocks]:  # the memoised part
+                memo = (parent, hash_id, 0, tenant)
+                key = new.get(memo)
                 if key is None:
-                    break
-                new[memo] = key
-            out.append(key)
-            parent, j = key, j + 1
+                    key = old.get(memo)
+                    if key is None:
+                        break
+                    new[memo] = key
+                out.append(key)
+                parent = key
+            j = len(out)
+        else:
+            while j < num_full_blocks:  # the memoised part
+                memo = (parent, hash_ids[j // k], j % k, tenant)
+                key = new.get(memo)
+                if key is None:
+                    key = old.get(memo)
+                    if key is None:
+                        break
+                    new[memo] = key
+                out.append(key)
+                parent, j = key, j + 1
         for i in range(j, num_full_blocks):  # the rest: new to the cache
             hash_id, sub_block = hash_ids[i // k], i % k
             key = _hash(parent, hash_id, sub_block, tenant)

@@ -28,7 +28,6 @@ from costmodel import CostModels
 from costmodel.overheads import NO_OVERHEADS, ClusterOverheads
 from kvstore.blocks import BlockKey, Tier
 from kvstore.hitrule import SnapshotPolicy, usable_length
-from kvstore.index import BlockEvent, BlockEventKind
 from kvstore.placement import Placement, StoreEvent
 from kvstore.sized import SizedBlob, SizedTier
 from prefill_worker.config import PrefillConfig
@@ -74,25 +73,20 @@ class SimPrefill:
         # New blocks land in the fastest tier, and a reused block moves up there, as the live
         # worker keeps the pages a prefill computed or loaded them into (its device tier).
         self.top = min(tiers)
-        self.store = Placement(tiers, config.eviction, self.top, on_event=self._publish)
+        self._events: list[StoreEvent] = []  # the store's changes since the last flush
+        self.store = Placement(tiers, config.eviction, self.top, on_event=self._events.append)
         self.queue: deque[SimPrefillJob] = deque()
         self.running: SimPrefillJob | None = None
         self.num_busy_s = 0.0
-        self._events: list[BlockEvent] = []
         block_bytes = self.block_size * costs.kv_bytes_per_token
         self._blobs = (SizedBlob(block_bytes, False), SizedBlob(block_bytes + costs.snapshot_bytes, True))
 
-    def _publish(self, e: StoreEvent) -> None:
-        # BlockEvent.stored/removed, with the event's tier already a Tier
-        self._events.append(BlockEvent(self.worker_id, e.key, None, False, BlockEventKind.REMOVED)
-                            if e.kind == "removed" else
-                            BlockEvent(self.worker_id, e.key, e.tier, e.has_snapshot, BlockEventKind.STORED))
-
     def _flush_events(self) -> None:
-        """Publishes the store's changes in one batch, as a Prefill response carries them."""
+        """Publishes the store's changes in one batch, as a Prefill response carries them
+        (each a ``BlockEvent.stored``/``removed`` on a live worker; applied as such here)."""
         if self._events:
-            self.index.apply(self._events)
-            self._events = []
+            self.index.apply_store_events(self.worker_id, self._events)
+            self._events.clear()
 
     def _blob(self, has_snapshot: bool) -> SizedBlob:
         """A new block's size (one value per kind: blobs are frozen, so every block shares it)."""

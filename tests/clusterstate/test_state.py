@@ -15,6 +15,7 @@ from clusterstate.workers import PrefillJobLoad, WorkerInfo, WorkerLoad, WorkerR
 from kvstore.blocks import Tier, chain_keys
 from kvstore.hitrule import leading_present, usable_prefix
 from kvstore.index import BlockEvent, MatchSnapshot, WorkerMatch
+from kvstore.placement import StoreEvent
 
 if TYPE_CHECKING:
     pass
@@ -271,6 +272,28 @@ def test_state_stored_events_replay_into_an_equal_index() -> None:
     copy.apply(source.stored_events())
     assert copy.match(KEYS) == source.match(KEYS)
     assert sorted(copy.stored_events(), key=repr) == sorted(source.stored_events(), key=repr)
+
+
+def test_state_store_events_apply_as_their_block_events() -> None:
+    """A prefill worker's store changes (the simulator's path) hold what their BlockEvents
+    would; a worker that is not alive gets nothing, and a bad key is refused."""
+    clock = FakeClock()
+    direct, batched = ClusterState(ttl_s=5.0, clock=clock), ClusterState(ttl_s=5.0, clock=clock)
+    for index in (direct, batched):
+        index.register(info("w1"))
+    changes = [StoreEvent("stored", KEYS[i], Tier(i % 3), i % 2 == 1) for i in range(6)]
+    changes += [StoreEvent("moved", KEYS[2], S, False), StoreEvent("removed", KEYS[4], D, False)]
+    direct.apply([BlockEvent.removed("w1", e.key) if e.kind == "removed" else
+                  BlockEvent.stored("w1", e.key, e.tier, e.has_snapshot) for e in changes])
+    assert batched.apply_store_events("w1", changes) == len(changes)
+    assert batched.blocks_digest() == direct.blocks_digest()
+    assert batched.match(KEYS) == direct.match(KEYS)
+    batched.check_integrity()
+    assert batched.apply_store_events("nobody", changes) == 0
+    with pytest.raises(ValueError):
+        batched.apply_store_events("w1", [StoreEvent("stored", b"short", D, False)])
+    clock.advance(5.0)
+    assert batched.apply_store_events("w1", changes[:1]) == 0
 
 
 def test_state_check_integrity_detects_a_broken_mirror() -> None:

@@ -25,7 +25,8 @@ from conductor.routing import (
     make_policy,
     policy_names,
 )
-from conductor.snapshot import RegistryEntry, build_snapshot
+from conductor.snapshot import RegistryEntry, ViewMemo, build_snapshot
+from conductor.speed import Pace
 from costmodel import CostModels
 from runtime.settings import parse_config
 
@@ -122,6 +123,40 @@ def test_heartbeat_jobs_and_own_pending_are_each_counted_once() -> None:
     assert not any(j.decoding for j in d.decode_jobs)  # both still in prefill
     for view in snap.prefill + snap.decode:  # built without __init__, equal to a checked one
         assert dataclasses.replace(view) == view
+
+
+def test_a_view_memo_changes_no_snapshot() -> None:
+    """Snapshots built with a ViewMemo equal those built without, through routes, progress,
+    ends, a new heartbeat and an aging one; unchanged workers get their last view back."""
+    pending, memo = PendingWork(), ViewMemo()
+    load_p = WorkerLoad(prefill_jobs=(PrefillJobLoad("x", 68, 32, 0.25),))
+    registry = [entry("p0", "prefill", load_p), entry("p1", "prefill"), entry("d0", "decode"), entry("d1", "decode")]
+
+    def both(now_s: float, age_s: float = 0.0):
+        registry[0] = RegistryEntry(registry[0].info, registry[0].load, age_s)
+        paces = {"p1": Pace(1.5, 0.01, 0.002)}  # made anew per decision, as the Conductor's are
+        plain = build_snapshot(registry, None, pending.view(), now_s, 0.0, paces)
+        memoised = build_snapshot(registry, None, pending.view(), now_s, 0.0, paces, memo)
+        assert memoised == plain
+        return memoised
+
+    first = both(0.0)
+    assert both(0.0).decode[1] is first.decode[1] and both(0.0).prefill[1] is first.prefill[1]
+    for i in range(3):
+        req = RouteRequest(f"r{i}", i, 100, 6, 20, BS)
+        pending.route(req, RouteDecision(f"p{i % 2}", f"d{i % 2}", ReusePlan(2, None)), 0.1 * i)
+        both(0.1 * i, age_s=0.1 * i)
+    pending.prefill_done("r0", 0.5)
+    pending.decode_started("r0", 0.5)
+    both(0.5, age_s=0.5)
+    pending.generated("r0", 4)
+    both(0.6, age_s=0.5)
+    pending.finish("r1", 0.7)
+    both(0.7, age_s=0.7)
+    registry[2] = entry("d0", "decode", WorkerLoad(num_free_pages=900, num_running=1, num_context_tokens=104,
+                                                   request_ids=("r0",)))
+    after = both(0.8, age_s=0.8)
+    assert after.decode[0].num_free_pages != first.decode[0].num_free_pages
 
 
 def test_a_rejection_is_not_recorded_as_pending() -> None:

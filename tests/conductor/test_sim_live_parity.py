@@ -30,6 +30,7 @@ from costmodel import CostModels
 from decode_worker.config import DecodeConfig
 from engine.sampler import SamplingParams
 from engine.tokenizer import CharTokenizer
+from kvstore.index import BlockEvent
 from prefill_worker.config import PrefillConfig
 from proto import inference_pb2 as pb
 from proto import internal_pb2 as ipb
@@ -89,13 +90,15 @@ def record(sim: Simulation) -> list[Step]:
 
     for name in TRANSITIONS:
         setattr(core, name, transition(name))
-    apply = cluster.index.apply
+    apply = cluster.index.apply_store_events
 
-    def applied(events, at_s=None):
-        steps.append(Step("blocks", now(), (tuple(events),)))
-        return apply(events, at_s)
+    def applied(worker_id, events, at_s=None):  # a prefill worker's store changes, as a live one publishes them
+        steps.append(Step("blocks", now(), (tuple(BlockEvent.removed(worker_id, e.key) if e.kind == "removed" else
+                                                  BlockEvent.stored(worker_id, e.key, e.tier, e.has_snapshot)
+                                                  for e in events),)))
+        return apply(worker_id, events, at_s)
 
-    cluster.index.apply = applied
+    cluster.index.apply_store_events = applied
     beat = cluster._beat
 
     def beaten(worker):
