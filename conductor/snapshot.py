@@ -100,8 +100,8 @@ def _with_head_running(jobs: tuple[PrefillJobLoad, ...], worker_id: str, pending
     there, whichever is later. Without it a job that is half done would count in full in the
     next request's queue (a heartbeat lists it as running only every interval)."""
     records = pending.in_prefill.get(worker_id)
-    if not records or any(j.elapsed_s > 0 for j in jobs):
-        return jobs
+    if not records or not jobs or any(j.elapsed_s > 0 for j in jobs):
+        return jobs  # (none: a retry routed back here while the heartbeat lists the placement that left)
     first = records[0]  # the overlay keeps a worker's jobs in routing order
     elapsed_s = now_s - max(first.routed_at_s, pending.prefill_free_at_s.get(worker_id, first.routed_at_s))
     if elapsed_s <= 0:

@@ -159,6 +159,22 @@ def test_a_view_memo_changes_no_snapshot() -> None:
     assert after.decode[0].num_free_pages != first.decode[0].num_free_pages
 
 
+def test_a_retry_routed_back_while_the_heartbeat_lists_the_placement_that_left() -> None:
+    """The chaos replay's case: r0 left p0 (its prefill failed) and was routed to p0 again, and
+    p0's heartbeat still lists the placement that left. No job counts (the listed one left, the
+    new one is hidden behind it): the snapshot holds none, and does not fail on the empty list."""
+    pending = PendingWork()
+    req = RouteRequest("r0", 0, 100, 6, 20, BS)
+    decision = RouteDecision("p0", "d0", ReusePlan(0, None))
+    pending.route(req, decision, 0.0)
+    pending.finish("r0", 0.1)  # routed again: its work leaves both workers
+    pending.route(req, decision, 0.2)
+    listed = WorkerLoad(prefill_jobs=(PrefillJobLoad("r0", 100, 0, 0.0),))
+    registry = [entry("p0", "prefill", listed), entry("d0", "decode")]
+    snapshot = build_snapshot(registry, None, pending.view(), 0.5, 0.0, {}, ViewMemo())
+    assert snapshot.prefill[0].prefill_jobs == ()
+
+
 def test_a_rejection_is_not_recorded_as_pending() -> None:
     clock = ManualClock()
     cluster = StaticCluster((entry("p0", "prefill"), entry("d0", "decode")))
