@@ -160,6 +160,10 @@ class RequestLife:
                 self.out.report("cancelled", "client_gone")
 
     def _run(self) -> Iterator[pb.GenerateResponse]:
+        finish = self._finish_of_sent() if self._num_resumed else 0
+        if finish:  # a failed Conductor sent the last token, and the call broke before its finish
+            yield self._terminal(finish)
+            return
         placed = yield from self._place(self.facts, self.req.params)
         if placed is None:
             return

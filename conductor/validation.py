@@ -64,8 +64,8 @@ def validate(req: pb.GenerateRequest, cfg: ModelConfig, tokenizer: Tokenizer, li
         raise ValueError(f"deadline_s must be in [0, {limits.max_deadline_s}], got {req.deadline_s}")
     _check_slos(req, limits)
     resumed = tuple(req.resume.ids)
-    if len(resumed) >= s.max_tokens:
-        raise ValueError(f"resume: {len(resumed)} tokens were sent already, so nothing is left of "
+    if len(resumed) > s.max_tokens:  # all of them: the failed Conductor sent every token but not the finish
+        raise ValueError(f"resume: {len(resumed)} tokens were sent already, more than "
                          f"sampling.max_tokens {s.max_tokens}")
     bad = next((t for t in resumed if t >= cfg.vocab_size), None)
     if bad is not None:

@@ -148,9 +148,10 @@ class Harness:
         self._seq = 0
 
     def life(self, prompt: list[int], max_tokens: int, stop: tuple[int, ...] = (), deadline_s: float = 60.0,
-             client_deadline_s: float | None = None, max_attempts: int = 2) -> RequestLife:
+             client_deadline_s: float | None = None, max_attempts: int = 2,
+             resumed: tuple[int, ...] = ()) -> RequestLife:
         params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=stop)
-        req = ValidRequest(tuple(prompt), params, deadline_s, "")
+        req = ValidRequest(tuple(prompt), params, deadline_s, "", resumed=resumed)
         seq, self._seq = self._seq, self._seq + 1  # round robin: request 0 goes to p0 and d0
         return RequestLife(self.core, self.dispatcher, self.tokenizer, req, f"r{seq}", seq, max_attempts,
                            max_migrations=self.max_migrations, prefill_timeout_s=self.prefill_timeout_s,
@@ -275,6 +276,28 @@ def test_a_migration_whose_first_token_is_the_last_ends_there() -> None:
     msgs = h.run(h.life(PROMPT, 12))
     assert tokens(msgs) == reference(PROMPT, 12) and msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert len(h.dispatcher.prefills) == 2
+
+
+def test_a_resumed_stream_goes_on_after_the_tokens_a_failed_conductor_sent() -> None:
+    h = Harness()
+    ref = reference(PROMPT, 12)
+    msgs = h.run(h.life(PROMPT, 12, resumed=tuple(ref[:5])))
+    assert ref[:5] + tokens(msgs) == ref and msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert msgs[-1].usage.completion_tokens == 12
+
+
+@pytest.mark.parametrize("why", ["length", "stop"])
+def test_a_resume_after_the_last_token_ends_at_once_without_a_placement(why: str) -> None:
+    """The failed Conductor sent the last token and broke before the finish: the resumed call
+    only finishes (CI saw the max_tokens case refused as INVALID_ARGUMENT)."""
+    h = Harness()
+    ref = reference(PROMPT, 12)
+    sent, stop = (ref, ()) if why == "length" else (ref[:6], (ref[5],))
+    msgs = h.run(h.life(PROMPT, 12, stop=stop, resumed=tuple(sent)))
+    assert tokens(msgs) == [] and len(msgs) == 1
+    assert msgs[0].finish_reason == (pb.FINISH_REASON_LENGTH if why == "length" else pb.FINISH_REASON_STOP)
+    assert msgs[0].usage.completion_tokens == len(sent)
+    assert h.dispatcher.prefills == []
 
 
 def test_without_another_decode_worker_the_request_fails_with_the_reason() -> None:

@@ -44,3 +44,12 @@ def test_a_long_prompt_names_its_length_and_which_limit():
                  Limits(max_prompt_tokens=8000))
     with pytest.raises(ValueError, match="^token_ids: empty, give at least one token$"):
         check(0, 1)
+
+
+def test_a_resume_may_cover_every_token_but_no_more():
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 10), sampling=pb.SamplingParams(max_tokens=4),
+                             resume=pb.TokenIds(ids=[5, 6, 7, 8]))
+    assert validate(req, CFG, TOKENIZER, CAPPED).resumed == (5, 6, 7, 8)  # only the finish was lost
+    req.resume.ids.append(9)
+    with pytest.raises(ValueError, match=r"^resume: 5 tokens were sent already, more than sampling.max_tokens 4$"):
+        validate(req, CFG, TOKENIZER, CAPPED)
