@@ -88,13 +88,20 @@ def init_group(config: GroupConfig, device: str = "cpu") -> DistComm:
     stage_host = host(stage_group, stage_ranks)
     world_host = host(dist.group.WORLD if shape.world_size > 1 else None, world)
     comm = DistComm(tp_group, shape.tp, stage_group, per_stage, tp_host, stage_host, world_host)
+    _joined.append(comm)
     log.info("rank %d joined its instance (%s, backend %s, sums %s, pid %d)", config.rank, shape.describe(),
              config.backend_for(device), "in shared memory" if comm.sums_on_host else "by the backend", os.getpid())
     return comm
 
 
+_joined: list[DistComm] = []  # this process's instance collectives, as the default group is torch's
+
+
 def leave_group() -> None:
-    """Destroys the default process group (best effort: the others may be gone)."""
+    """Releases the shared-memory collectives and destroys the default process group (best
+    effort: the others may be gone)."""
+    while _joined:
+        _joined.pop().close()
     if dist.is_initialized():
         try:
             dist.destroy_process_group()

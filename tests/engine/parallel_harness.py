@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
 
 import torch
 
@@ -178,7 +180,20 @@ def main() -> None:
         else:
             member.run()
     leave_group()
+    assert not (fifos := _open_fifos()), f"leave_group left the shared-memory collectives' FIFOs open: {fifos}"
 
+
+def _open_fifos() -> list[str]:
+    """The named FIFOs this process holds open (pipes without a name are torch's and gloo's)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("/") and stat.S_ISFIFO(os.fstat(int(fd)).st_mode):
+                found.append(target)
+        except OSError:  # the listing's own descriptor, closed since
+            pass
+    return found
 
 if __name__ == "__main__":
     main()
