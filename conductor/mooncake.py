@@ -75,32 +75,17 @@ def queue_s(worker: WorkerView, costs: CostModels) -> float:
                    - j.elapsed_s) for j in worker.prefill_jobs)
 
 
-def _memo_queue_s(worker: WorkerView, costs: CostModels, queues: MutableMapping[int, tuple] | None) -> float:
-    """``queue_s``, from ``queues`` (by the view's identity; it holds the view) when this view
-    was weighed before: the snapshot hands an unchanged worker the last decision's view."""
-    if queues is None:
-        return queue_s(worker, costs)
-    hit = queues.get(id(worker))
-    if hit is not None and hit[0] is worker:
-        return hit[1]
-    if len(queues) >= 4 * 1024:  # views long replaced
-        queues.clear()
-    wait = queue_s(worker, costs)
-    queues[id(worker)] = (worker, wait)
-    return wait
-
-
 def num_holders(snapshot: ClusterSnapshot, request: RouteRequest, num_blocks: int) -> int:
     """Prefill workers that can reuse at least ``num_blocks`` leading blocks of the request."""
     return sum(capped_usable(w, request) >= num_blocks for w in snapshot.prefill)
 
 
 def prefill_options(snapshot: ClusterSnapshot, request: RouteRequest, costs: CostModels,
-                    config, queues: MutableMapping[int, tuple] | None = None) -> list[PrefillOption]:
+                    config) -> list[PrefillOption]:
     """Every (worker, local or pull) option of Algorithm 1, in snapshot order. What every
     worker's pull shares (the prefix, its prefill time before the worker's speed factor, its
     transfer time per backend) is predicted once, and so is a plain worker's prefill of each
-    reuse depth (most workers reuse nothing); ``queues``: the ``_memo_queue_s`` cache."""
+    reuse depth (most workers reuse nothing)."""
     n, bs = request.num_prompt_tokens, request.block_size
     cap = max_reuse_blocks(request)
     best = best_holder(snapshot.prefill, request)
@@ -117,7 +102,7 @@ def prefill_options(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cos
     single_s: dict[int, float] = {}  # a plain worker's prefill by reuse depth: unit_prefill_s's for cpp_stages 1
     for w in snapshot.prefill:
         local = min(w.usable_blocks, cap)
-        wait = _memo_queue_s(w, costs, queues)
+        wait = queue_s(w, costs)
         branch = RouteBranch.LOCAL if local else RouteBranch.COLD
         if w.cpp_stages > 1:
             unit_s = unit_prefill_s(costs, w, n - local * bs, local * bs)
@@ -137,11 +122,10 @@ def prefill_options(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cos
     return options
 
 
-def choose_prefill(snapshot: ClusterSnapshot, request: RouteRequest, costs: CostModels, config,
-                   queues: MutableMapping[int, tuple] | None = None) -> PrefillOption:
+def choose_prefill(snapshot: ClusterSnapshot, request: RouteRequest, costs: CostModels, config) -> PrefillOption:
     """The minimum-TTFT option, replaced by a replicating pull when the prefix is hot and its
     holder is the bottleneck (see the module docstring)."""
-    options = prefill_options(snapshot, request, costs, config, queues)
+    options = prefill_options(snapshot, request, costs, config)
     chosen = min(options, key=PrefillOption.order)
     hot = config.hot_prefix_rate_per_s > 0 and snapshot.prefix_rate_per_s >= config.hot_prefix_rate_per_s
     holder_busy = chosen.reuse.holder is None and chosen.reuse.num_blocks > 0 and chosen.queue_s > 0
@@ -281,17 +265,15 @@ def make_mooncake(context: PolicyContext) -> Policy:
     if context.costs is None:
         raise ValueError("the mooncake policy needs cost models (a calibration from `tidekv calibrate`)")
     costs, config = context.costs, context.routing
-    # Each decode worker's jobs, sorted (``batch_of``), and each prefill worker's queue
-    # (``_memo_queue_s``): memos of pure functions of the views, which the decisions share;
-    # the policy's answers are the same without them.
+    # Each decode worker's jobs, sorted (``batch_of``): a memo of a pure function of the jobs,
+    # which the decisions share; the policy's answers are the same without it.
     batches: dict[int, tuple] = {}
-    queues: dict[int, tuple] = {}
 
     def mooncake(snapshot: ClusterSnapshot, request: RouteRequest) -> RouteDecision | Rejection:
         rejection = admission_rejection(snapshot, request)
         if rejection is not None:
             return rejection
-        option = choose_prefill(snapshot, request, costs, config, queues)
+        option = choose_prefill(snapshot, request, costs, config)
         decode, tbt = _decode_choice(snapshot, request, costs, config.admission_mode, option.ttft_s, batches)
         if option.ttft_s > request.ttft_slo_s:
             return Rejection(

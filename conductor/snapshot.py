@@ -77,37 +77,17 @@ class RegistryEntry:
         return self.info.transfer_address
 
 
-def _listed_requests(listed: tuple[PrefillJobLoad, ...],
-                     memo: ViewMemo | None) -> tuple[tuple[str, ...], frozenset[str]]:
-    """The requests of a heartbeat's prefill jobs, in order and as a set; with a memo, parsed
-    once per heartbeat (every decision until the next one reads them)."""
-    hit = memo.listed.get(id(listed)) if memo is not None else None
-    if hit is not None and hit[0] is listed:
-        return hit[1], hit[2]
-    requests = tuple(request_of(j.request_id) for j in listed)
-    if memo is not None:
-        if len(memo.listed) >= 4 * 1024:  # heartbeats long replaced
-            memo.listed.clear()
-        memo.listed[id(listed)] = (listed, requests, frozenset(requests))  # holds the tuple: its id stays its own
-    return requests, frozenset(requests)
-
-
-def _prefill_jobs(entry: RegistryEntry, pending: PendingView, now_s: float,
-                  memo: ViewMemo | None = None) -> tuple[PrefillJobLoad, ...]:
+def _prefill_jobs(entry: RegistryEntry, pending: PendingView, now_s: float) -> tuple[PrefillJobLoad, ...]:
     w = entry.worker_id
     own = pending.prefill_jobs.get(w, ())
     if not entry.load.prefill_jobs:
         return _with_head_running(own, w, pending, now_s)  # the heartbeat lists nothing: every job is ours
     left = pending.left_prefill.get(w, frozenset())
-    requests, listed = _listed_requests(entry.load.prefill_jobs, memo)
-    age_s = entry.load_age_s
-    # A queued job (elapsed 0) is the heartbeat's own, unchanged; a running one is advanced by
-    # the heartbeat's age.
-    jobs = [j if j.elapsed_s == 0.0 else
-            PrefillJobLoad(j.request_id, j.num_new_tokens, j.num_reused_tokens,
-                           j.elapsed_s + age_s if j.elapsed_s > 0 else 0.0)
-            for j, r in zip(entry.load.prefill_jobs, requests, strict=True) if r not in left]
+    jobs = [PrefillJobLoad(j.request_id, j.num_new_tokens, j.num_reused_tokens,
+                           j.elapsed_s + entry.load_age_s if j.elapsed_s > 0 else 0.0)
+            for j in entry.load.prefill_jobs if request_of(j.request_id) not in left]
     if own:
+        listed = {request_of(j.request_id) for j in entry.load.prefill_jobs}
         jobs += [j for j in own if j.request_id not in listed]
     return _with_head_running(tuple(jobs), w, pending, now_s)
 
@@ -181,17 +161,14 @@ class ViewMemo:
     def __init__(self) -> None:
         self.prefill: dict[str, tuple] = {}
         self.decode: dict[str, tuple] = {}
-        self.listed: dict[int, tuple] = {}  # a heartbeat's prefill jobs -> their requests (``_listed_requests``)
 
 
-def _prefill_view(entry: RegistryEntry, pending: PendingView, m, pace: Pace, now_s: float,
-                  memo: ViewMemo | None = None) -> WorkerView:
+def _prefill_view(entry: RegistryEntry, pending: PendingView, m, pace: Pace, now_s: float) -> WorkerView:
     usable = m.num_blocks_usable if m is not None else 0
     return _view(
         worker_id=entry.worker_id, role=WorkerRole.PREFILL, rpc_address=entry.rpc_address,
         transfer_address=entry.transfer_address, num_free_pages=entry.load.num_free_pages,
-        num_running=entry.load.num_running, prefill_jobs=_prefill_jobs(entry, pending, now_s, memo),
-        usable_blocks=usable,
+        num_running=entry.load.num_running, prefill_jobs=_prefill_jobs(entry, pending, now_s), usable_blocks=usable,
         usable_tier=m.slowest_usable_tier if usable else None, slowdown=pace.slowdown,
         handoff_s=pace.handoff_s, dispatch_s=pace.dispatch_s,
         cpp_stages=entry.info.cpp_stages, cpp_chunk_tokens=entry.info.cpp_chunk_tokens,
@@ -208,7 +185,7 @@ def _memo_prefill_view(memo: ViewMemo, entry: RegistryEntry, pending: PendingVie
     (``_with_head_running``)."""
     w, load = entry.worker_id, entry.load
     if pending.in_prefill.get(w):
-        return _prefill_view(entry, pending, m, pace, now_s, memo)
+        return _prefill_view(entry, pending, m, pace, now_s)
     usable = m.num_blocks_usable if m is not None else 0
     tier = m.slowest_usable_tier if usable else None
     listed = bool(load.prefill_jobs)
@@ -218,7 +195,7 @@ def _memo_prefill_view(memo: ViewMemo, entry: RegistryEntry, pending: PendingVie
     if (hit is not None and hit[0] is entry.info and hit[1] is load and hit[2] == age and hit[3] is own
             and hit[4] is left and hit[5] == usable and hit[6] is tier and hit[7] == pace):
         return hit[8]
-    view = _prefill_view(entry, pending, m, pace, now_s, memo)
+    view = _prefill_view(entry, pending, m, pace, now_s)
     memo.prefill[w] = (entry.info, load, age, own, left, usable, tier, pace, view)
     return view
 
