@@ -9,9 +9,6 @@ SLO. The formulas and the admission modes: docs/architecture.md, "The Mooncake s
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from collections.abc import MutableMapping
-from itertools import accumulate
 from typing import NamedTuple
 
 from conductor.cpp import unit_prefill_s
@@ -140,74 +137,23 @@ def choose_prefill(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cost
                          best_pull.transfer_s, best_pull.prefill_s)
 
 
-class DecodeBatch(NamedTuple):
-    """A decode worker's known jobs (``WorkerView.decode_jobs``) sorted for the questions the
-    TBT predictions ask, so each costs a binary search instead of a pass over the jobs:
-
-        running, by remaining tokens ascending:   remaining[i]  stay_tokens[i] = tokens of i..end
-        in prefill, by ready time ascending:      ready_at_s[i] join_tokens[i] = tokens of 0..i-1
-
-    Made once per jobs tuple (``batch_of``): the overlay freezes a worker's jobs only when
-    they change, so most decisions find the last one's."""
-
-    num_running: int
-    running_tokens: int
-    remaining: tuple[int, ...]
-    stay_tokens: tuple[int, ...]  # len(remaining) + 1; the last is 0
-    ready_at_s: tuple[float, ...]
-    join_tokens: tuple[int, ...]  # len(ready_at_s) + 1; the first is 0
-
-    @classmethod
-    def of(cls, jobs: tuple[DecodeJob, ...]) -> DecodeBatch:
-        running = sorted((j.num_remaining_tokens, j.num_tokens) for j in jobs if j.decoding)
-        joining = sorted((j.ready_at_s, j.num_tokens) for j in jobs if not j.decoding)
-        stay = list(accumulate(reversed([t for _, t in running]), initial=0))
-        stay.reverse()
-        return cls(len(running), stay[0], tuple(r for r, _ in running), tuple(stay),
-                   tuple(r for r, _ in joining), tuple(accumulate((t for _, t in joining), initial=0)))
-
-
-def batch_of(jobs: tuple[DecodeJob, ...], cache: MutableMapping[int, tuple] | None = None) -> DecodeBatch:
-    """``DecodeBatch.of(jobs)``, from ``cache`` (by the tuple's identity; it holds the tuple,
-    so the id is not reused) when this tuple was seen before."""
-    if cache is None:
-        return DecodeBatch.of(jobs)
-    hit = cache.get(id(jobs))
-    if hit is not None and hit[0] is jobs:
-        return hit[1]
-    if len(cache) >= 4 * 1024:  # the jobs of workers long changed since
-        cache.clear()
-    batch = DecodeBatch.of(jobs)
-    cache[id(jobs)] = (jobs, batch)
-    return batch
-
-
-def _staying(worker: WorkerView, request: RouteRequest, costs: CostModels, at_s: float,
-             batch: DecodeBatch) -> tuple[int, int]:
+def _staying(worker: WorkerView, request: RouteRequest, costs: CostModels, at_s: float) -> tuple[int, int]:
     """Batch size and context tokens on ``worker`` ``at_s`` seconds from now, before anyone
     joins: running requests this Conductor does not know, the known running ones that have
     not generated their remaining tokens by then, and this request."""
-    other = max(0, worker.num_running - batch.num_running)
-    other_tokens = max(0, worker.num_context_tokens - batch.running_tokens)
+    running = [j for j in worker.decode_jobs if j.decoding]
+    other = max(0, worker.num_running - len(running))
+    other_tokens = max(0, worker.num_context_tokens - sum(j.num_tokens for j in running))
     step_s = costs.decode_step_s(max(1, worker.num_running), worker.num_context_tokens)
-    stay = batch.stay_tokens
-    if step_s >= 0:
-        # A running job stays when remaining * step_s > at_s: the last ones in remaining order
-        # (the product grows with the remaining tokens).
-        first = bisect_right(batch.remaining, at_s, key=lambda r: r * step_s)
-        num_staying, staying_tokens = len(batch.remaining) - first, stay[first]
-    else:  # a fit with a negative step: no order to search in
-        staying = [i for i, r in enumerate(batch.remaining) if r * step_s > at_s]
-        num_staying, staying_tokens = len(staying), sum(stay[i] - stay[i + 1] for i in staying)
-    return other + num_staying + 1, other_tokens + staying_tokens + request.num_prompt_tokens
+    staying = [j for j in running if j.num_remaining_tokens * step_s > at_s]
+    return other + len(staying) + 1, other_tokens + sum(j.num_tokens for j in staying) + request.num_prompt_tokens
 
 
-def _joining(batch: DecodeBatch, now_s: float, until_s: float) -> tuple[int, int]:
-    """Requests (and their tokens) this Conductor knows in prefill for the worker that join
-    its batch within ``until_s`` seconds (``DecodeJob.ready_in_s`` <= ``until_s``: the first
-    ones in ready order)."""
-    n = bisect_right(batch.ready_at_s, until_s, key=lambda r: max(1e-6, r - now_s))
-    return n, batch.join_tokens[n]
+def _joining(worker: WorkerView, now_s: float, until_s: float) -> tuple[int, int]:
+    """Requests (and their tokens) this Conductor knows in prefill for ``worker`` that join
+    its batch within ``until_s`` seconds."""
+    joining = [j.num_tokens for j in worker.decode_jobs if not j.decoding and j.ready_in_s(now_s) <= until_s]
+    return len(joining), sum(joining)
 
 
 def tbt_after_join(worker: WorkerView, request: RouteRequest, costs: CostModels, at_s: float | None,
@@ -222,20 +168,19 @@ def tbt_after_join(worker: WorkerView, request: RouteRequest, costs: CostModels,
     batch it will share while it decodes, as far as this Conductor knows now."""
     if at_s is None:
         return costs.decode_step_s(worker.num_running + 1, worker.num_context_tokens + request.num_prompt_tokens)
-    jobs = DecodeBatch.of(worker.decode_jobs)
-    batch, tokens = _staying(worker, request, costs, at_s, jobs)
-    num_joining, joining_tokens = _joining(jobs, now_s, at_s if until_s is None else until_s)
+    batch, tokens = _staying(worker, request, costs, at_s)
+    num_joining, joining_tokens = _joining(worker, now_s, at_s if until_s is None else until_s)
     return costs.decode_step_s(batch + num_joining, tokens + joining_tokens)
 
 
 def _tbt_while_decoding(worker: WorkerView, request: RouteRequest, costs: CostModels, ttft_s: float,
-                        now_s: float, jobs: DecodeBatch) -> float:
+                        now_s: float) -> float:
     """``tbt_after_join`` at ``ttft_s`` until the end of this request's decode (its max tokens
     at the step time on joining); the two predictions share everything but who joins."""
-    batch, tokens = _staying(worker, request, costs, ttft_s, jobs)
-    num_joining, joining_tokens = _joining(jobs, now_s, ttft_s)
+    batch, tokens = _staying(worker, request, costs, ttft_s)
+    num_joining, joining_tokens = _joining(worker, now_s, ttft_s)
     first_s = costs.decode_step_s(batch + num_joining, tokens + joining_tokens)
-    num_joining, joining_tokens = _joining(jobs, now_s, ttft_s + request.max_tokens * first_s)
+    num_joining, joining_tokens = _joining(worker, now_s, ttft_s + request.max_tokens * first_s)
     return costs.decode_step_s(batch + num_joining, tokens + joining_tokens)
 
 
@@ -247,14 +192,13 @@ def _retry_hint_s(worker: WorkerView, costs: CostModels, now_s: float) -> float:
 
 
 def _decode_choice(snapshot: ClusterSnapshot, request: RouteRequest, costs: CostModels, mode: str,
-                   ttft_s: float, batches: MutableMapping[int, tuple] | None = None) -> tuple[WorkerView, float]:
+                   ttft_s: float) -> tuple[WorkerView, float]:
     """The fitting decode worker with the lowest predicted TBT, and that TBT. Predictive: over
-    this request's decode (from ``now + ttft`` for its max tokens at the step time then).
-    ``batches``: the ``batch_of`` cache."""
+    this request's decode (from ``now + ttft`` for its max tokens at the step time then)."""
     def predicted(w: WorkerView) -> float:
         if mode == "early":
             return tbt_after_join(w, request, costs, None)
-        return _tbt_while_decoding(w, request, costs, ttft_s, snapshot.time_s, batch_of(w.decode_jobs, batches))
+        return _tbt_while_decoding(w, request, costs, ttft_s, snapshot.time_s)
 
     scored = [(predicted(w), -w.num_free_pages, w.worker_id, w) for w in fitting_decode(snapshot, request)]
     tbt, _, _, worker = min(scored, key=lambda t: t[:3])
@@ -265,16 +209,13 @@ def make_mooncake(context: PolicyContext) -> Policy:
     if context.costs is None:
         raise ValueError("the mooncake policy needs cost models (a calibration from `tidekv calibrate`)")
     costs, config = context.costs, context.routing
-    # Each decode worker's jobs, sorted (``batch_of``): a memo of a pure function of the jobs,
-    # which the decisions share; the policy's answers are the same without it.
-    batches: dict[int, tuple] = {}
 
     def mooncake(snapshot: ClusterSnapshot, request: RouteRequest) -> RouteDecision | Rejection:
         rejection = admission_rejection(snapshot, request)
         if rejection is not None:
             return rejection
         option = choose_prefill(snapshot, request, costs, config)
-        decode, tbt = _decode_choice(snapshot, request, costs, config.admission_mode, option.ttft_s, batches)
+        decode, tbt = _decode_choice(snapshot, request, costs, config.admission_mode, option.ttft_s)
         if option.ttft_s > request.ttft_slo_s:
             return Rejection(
                 f"predicted TTFT {option.ttft_s:.3f}s misses the {request.ttft_slo_s:g}s SLO: best is "

@@ -8,10 +8,8 @@ records are kept for ``finished_ttl_s`` so a heartbeat sent before they finished
 trusted about them (``conductor.snapshot`` merges the two).
 
 Records are grouped by worker, and each worker's group is frozen (a tuple; finished records a
-dict by request id) only when it changed since the last ``view()``; so are the view's maps by
-worker (a map no change touched is the last view's, shared: views are read-only), so a view
-costs the groups that changed (every token a stream receives changes its decode worker's) and
-a copy of each map one of them is in, not a pass over every worker.
+dict by request id) only when it changed since the last ``view()``, so a view costs O(workers)
+plus the groups that changed (every token a stream receives changes its decode worker's).
 Thread-safe (one lock); time is given by the caller (the Conductor's injected clock).
 """
 
@@ -28,9 +26,6 @@ from conductor.routing import DecodeJob, RouteDecision, RouteRequest, decode_nee
 
 # Groups frozen from another group's records (thawed with it).
 _DERIVED = {"on_decode": "decode_jobs", "in_prefill": "prefill_jobs"}
-# The view's maps by worker, and the records each is made of (``PendingWork._members``).
-_VIEW_GROUPS = ("in_prefill", "prefill_jobs", "left_prefill", "on_decode", "decode_jobs", "ended_on_decode")
-_SOURCE = {"prefill_jobs": "in_prefill", "decode_jobs": "on_decode"}
 
 
 @dataclass(frozen=True)
@@ -106,21 +101,14 @@ class PendingWork:
         self._left: dict[str, dict[str, int]] = defaultdict(dict)  # prefill worker -> id -> references
         self._free_at: dict[str, float] = {}  # prefill worker -> when its last prefill seen here ended
         self._frozen: dict[tuple[str, str], object] = {}
-        # The maps of the last view, by group (only workers with members), and the (group,
-        # worker) pairs changed since; ``None``: ``_free_at`` changed since.
-        self._maps: dict[str, dict[str, object]] = {group: {} for group in _VIEW_GROUPS}
-        self._changed: set[tuple[str, str]] = set()
-        self._free_at_map: dict[str, float] | None = None
         self._lock = threading.Lock()
 
     # ---- grouping (under the lock) ------------------------------------------------------------
     def _thaw(self, group: str, worker: str) -> None:
         self._frozen.pop((group, worker), None)
-        self._changed.add((group, worker))
         derived = _DERIVED.get(group)
         if derived is not None:
             self._frozen.pop((derived, worker), None)
-            self._changed.add((derived, worker))
 
     def _put(self, group: str, worker: str, record: PendingRequest) -> None:
         self._groups[group][worker][record.request_id] = record
@@ -136,11 +124,6 @@ class PendingWork:
         if refs[request_id] <= 0:
             del refs[request_id]
         self._frozen.pop(("left_prefill", worker), None)
-        self._changed.add(("left_prefill", worker))
-
-    def _set_free_at(self, worker: str, now_s: float) -> None:
-        self._free_at[worker] = now_s
-        self._free_at_map = None
 
     def _set(self, record: PendingRequest) -> None:
         self._live[record.request_id] = record
@@ -170,7 +153,7 @@ class PendingWork:
             if record is not None and record.in_prefill:
                 self._drop("in_prefill", record.prefill_worker, request_id)
                 self._mark_left(record.prefill_worker, request_id, +1)
-                self._set_free_at(record.prefill_worker, now_s)
+                self._free_at[record.prefill_worker] = now_s
                 self._set(_with(record, prefill_done_at_s=now_s, ready_at_s=now_s))
 
     def decode_started(self, request_id: str, now_s: float) -> None:
@@ -194,7 +177,7 @@ class PendingWork:
                 if record.in_prefill:
                     self._drop("in_prefill", record.prefill_worker, request_id)
                     self._mark_left(record.prefill_worker, request_id, +1)
-                    self._set_free_at(record.prefill_worker, now_s)
+                    self._free_at[record.prefill_worker] = now_s
                 self._drop("on_decode", record.decode_worker, request_id)
                 ended = _with(record, finished_at_s=now_s)
                 self._ended.append(ended)
@@ -223,31 +206,19 @@ class PendingWork:
             self._frozen[key] = value
         return self._frozen[key]
 
-    def _members(self, group: str, worker: str) -> Mapping[str, object] | None:
-        if group == "left_prefill":
-            return self._left.get(worker)
-        return self._groups[_SOURCE.get(group, group)].get(worker)
-
     def view(self) -> PendingView:
-        """The overlay as frozen maps by worker id (a worker with nothing there is absent).
-        Maps no change touched since the last view are that view's (the same objects)."""
         with self._lock:
-            fresh: dict[str, dict[str, object]] = {}
-            for group, worker in sorted(self._changed):  # sorted: the same maps in every run
-                if group not in fresh:
-                    fresh[group] = self._maps[group] = dict(self._maps[group])
-                if self._members(group, worker):
-                    fresh[group][worker] = self._frozen_group(group, worker)
-                else:
-                    fresh[group].pop(worker, None)
-            self._changed.clear()
-            if self._free_at_map is None:
-                self._free_at_map = dict(self._free_at)
-            maps = self._maps
+            def by_worker(group: str, source: Mapping[str, object]) -> dict:
+                return {w: self._frozen_group(group, w) for w, members in source.items() if members}
+
             return PendingView(
-                in_prefill=maps["in_prefill"], prefill_jobs=maps["prefill_jobs"], left_prefill=maps["left_prefill"],
-                on_decode=maps["on_decode"], decode_jobs=maps["decode_jobs"],
-                ended_on_decode=maps["ended_on_decode"], prefill_free_at_s=self._free_at_map,
+                in_prefill=by_worker("in_prefill", self._groups["in_prefill"]),
+                prefill_jobs=by_worker("prefill_jobs", self._groups["in_prefill"]),
+                left_prefill=by_worker("left_prefill", self._left),
+                on_decode=by_worker("on_decode", self._groups["on_decode"]),
+                decode_jobs=by_worker("decode_jobs", self._groups["on_decode"]),
+                ended_on_decode=by_worker("ended_on_decode", self._groups["ended_on_decode"]),
+                prefill_free_at_s=dict(self._free_at),
             )
 
     def __len__(self) -> int:

@@ -77,11 +77,6 @@ class WorkerSpeed:
             raise ValueError(f"weight {weight} must be in (0, 1]")
         self.weight = weight
         self._sums: dict[str, _Sums] = {}
-        # Each worker's pace, made when a sample changes it; ``_published``: the copy the last
-        # ``paces()`` gave out (None: a pace changed since), so a decision does not remake
-        # every worker's.
-        self._paces: dict[str, Pace] = {}
-        self._published: dict[str, Pace] | None = None
         self._lock = threading.Lock()
 
     def observe(self, worker_id: str, calibrated_s: float, observed_s: float, handoff_s: float = 0.0,
@@ -102,16 +97,11 @@ class WorkerSpeed:
             s.handoff_s = _mean(s.handoff_s, handoff_s, w)
             if dispatch_s is not None:
                 s.dispatch_s = _mean(s.dispatch_s, max(0.0, dispatch_s), w)
-            self._paces[worker_id] = Pace(min(MAX_FACTOR, max(MIN_FACTOR, s.engine / s.calibrated)),
-                                          s.handoff_s or 0.0, s.dispatch_s or 0.0)
-            self._published = None
 
     def paces(self) -> Mapping[str, Pace]:
-        """Each observed worker's pace (read-only: the same map until a sample changes one)."""
         with self._lock:
-            if self._published is None:
-                self._published = dict(self._paces)
-            return self._published
+            return {w: Pace(min(MAX_FACTOR, max(MIN_FACTOR, s.engine / s.calibrated)), s.handoff_s or 0.0,
+                            s.dispatch_s or 0.0) for w, s in self._sums.items()}
 
     def factors(self) -> Mapping[str, float]:
         """Each worker's ``Pace.slowdown``."""
