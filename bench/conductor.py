@@ -303,7 +303,7 @@ def stream(num_tokens: int, repeats: int) -> dict:
     from conductor.client_stream import ClientStream
     from conductor.metrics import ConductorMetrics
     from conductor.validation import ValidRequest
-    from engine.sampler import SamplingParams
+    from engine.sampling_params import SamplingParams
     from engine.tokenizer import CharTokenizer
     from proto import inference_pb2 as pb
 

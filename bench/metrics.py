@@ -38,7 +38,7 @@ from conductor.validation import ValidRequest
 from costmodel.builtin import tiny_cpu_estimate
 from decode_worker.metrics import DecodeMetrics
 from decode_worker.scheduler import DecodeScheduler, Finished
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from proto import inference_pb2 as pb
 from proto import internal_pb2 as ipb
 from runtime.auth import CONDUCTOR, Member, worker_principal

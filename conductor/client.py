@@ -22,7 +22,8 @@ import grpc
 
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc as pgrpc
-from runtime.grpc_server import TlsFiles, channel
+from runtime.grpc_server import channel
+from runtime.tls import TlsFiles
 
 
 @dataclass

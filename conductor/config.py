@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from conductor.admission import AdmissionConfig
 from conductor.routing_config import ADMISSION_MODES, RoutingConfig
 from conductor.validation import Limits
-from runtime.grpc_server import TlsFiles
+from runtime.tls import TlsFiles
 
 MAX_METRICS_TENANTS = 50  # each allowed tenant multiplies the per-tenant series
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from runtime.calls import PrefillCall, PrefillResult  # noqa: F401 - re-exported: the Dispatcher's values
 
 

@@ -25,7 +25,7 @@ import grpc
 
 from conductor.cluster import Cluster, Endpoint
 from conductor.dispatch import CancelHook, DecodeChunk, DispatchError, FailureKind, PrefillCall, PrefillResult
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from proto import internal_pb2 as ipb
 from proto.convert import prefill_call_to_proto, prefill_result_from_proto, sampling_to_proto
 from runtime.auth import grant

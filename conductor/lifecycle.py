@@ -39,7 +39,7 @@ from conductor.metrics import ConductorMetrics
 from conductor.routing import Rejection, RejectKind, RouteDecision
 from conductor.speed import dispatch_of
 from conductor.validation import ValidRequest
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from proto import inference_pb2 as pb
 from runtime.logs import Throttled

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from engine.config import ModelConfig
-from engine.sampler import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.sampling_params import SamplingParams
 from proto import inference_pb2 as pb
 from proto.convert import sampling_from_proto
+
+if TYPE_CHECKING:  # the model's config imports torch; the Conductor's config (Limits) must not
+    from engine.config import ModelConfig
+    from engine.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

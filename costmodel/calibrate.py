@@ -31,7 +31,7 @@ from costmodel.fit import (
     pooled_error,
     prefill_features,
 )
-from costmodel.grids import GRIDS, CalibrationGrid
+from costmodel.grids import DEFAULT_SNAPSHOT_INTERVAL_BLOCKS, GRIDS, CalibrationGrid
 from costmodel.measure_engine import DecodeBench, PrefillBench
 from costmodel.measure_transfer import TransferBench
 from costmodel.model import BACKENDS, CalibrationInfo, CostModels, LinkCost, default_calibration_path
@@ -40,7 +40,6 @@ from costmodel.storage import load_models, save_models
 from engine import DEFAULT_BLOCK_SIZE, HybridModel, load_model
 from kvstore.blocks import Tier
 
-DEFAULT_SNAPSHOT_INTERVAL_BLOCKS = 4  # the prefill worker's --snapshot-interval-blocks default
 READ_TIERS = (Tier.DRAM, Tier.SSD)
 Split = tuple[list[Sample], list[Sample]]  # (fit, held out)
 

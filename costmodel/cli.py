@@ -19,8 +19,7 @@ DEFAULT_DATA_DIR = "~/.cache/tidekv"
 
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the calibrate flags to p (for a subcommand or a standalone parser)."""
-    from costmodel.calibrate import DEFAULT_SNAPSHOT_INTERVAL_BLOCKS
-    from costmodel.grids import GRIDS
+    from costmodel.grids import DEFAULT_SNAPSHOT_INTERVAL_BLOCKS, GRIDS
     from engine import DEFAULT_BLOCK_SIZE
 
     p.add_argument("--model", default="tiny", help="'tiny' or a checkpoint directory")

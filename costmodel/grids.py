@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEFAULT_SNAPSHOT_INTERVAL_BLOCKS = 4  # the prefill worker's --snapshot-interval-blocks default
+
 
 @dataclass(frozen=True)
 class CalibrationGrid:

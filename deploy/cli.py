@@ -368,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_replay_parser(sub)
     add_report_parser(sub)
     add_simulate_parser(sub)
-    from observe.snapshots import add_dashboard_parser
+    from observe.dashboard_cli import add_dashboard_parser
     from observe.top import add_top_parser
 
     add_top_parser(sub)

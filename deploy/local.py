@@ -46,10 +46,10 @@ from proto import internal_pb2 as ipb
 from proto import internal_pb2_grpc as igrpc
 from runtime.auth import CONDUCTOR, OPERATOR, Member
 from runtime.certs import make_certs
-from runtime.grpc_server import TlsFiles
 from runtime.logs import private_log
 from runtime.ports import free_port
 from runtime.private import private_dir
+from runtime.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 

@@ -18,15 +18,15 @@ import torch
 from engine.cache import CacheManager, SequenceCache
 from engine.checkpoint import CheckpointError, load_tensors, seeded_tensors
 from engine.config import BUILTIN_CONFIGS, TINY_SEED, ModelConfig
+from engine.layout import DEFAULT_BLOCK_SIZE
 from engine.model import HybridModel
 from engine.parallel.comm import LOCAL, Comm
 from engine.parallel.shard import SINGLE_PLAN, ShardPlan
 from engine.quant import PackedWeight
-from engine.sampler import SamplingParams, sample
+from engine.sampler import sample
+from engine.sampling_params import SamplingParams
 from engine.tiktoken_tokenizer import RANKS_FILE, TiktokenTokenizer
 from engine.tokenizer import CharTokenizer, HFTokenizer
-
-DEFAULT_BLOCK_SIZE = 32
 
 
 def load_model(path_or_name: str, device: str = "cpu", dtype: torch.dtype = torch.float32,

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEFAULT_BLOCK_SIZE = 32  # tokens per page and per block, unless a worker is told otherwise
+
 
 @dataclass(frozen=True)
 class CacheLayout:

@@ -25,15 +25,16 @@ state slot. A block's size is its page bytes plus its snapshot bytes, counted ag
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from kvstore.blocks import BlockKey, Tier
 from kvstore.ledger import TierLedger
 from kvstore.payload import BlockPayload
 
-Snapshot = tuple[torch.Tensor, torch.Tensor]  # KDA (state, conv) after the block's last token
+if TYPE_CHECKING:  # tensors only pass through here: a store without a device tier never loads torch
+    import torch
+
+Snapshot = tuple["torch.Tensor", "torch.Tensor"]  # KDA (state, conv) after the block's last token
 
 
 class PoolView(Protocol):

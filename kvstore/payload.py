@@ -31,8 +31,11 @@ import dataclasses
 import struct
 import zlib
 from collections.abc import Sequence
+from functools import cache
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"TDKVBLK\x00"
 VERSION = 1
@@ -52,8 +55,20 @@ _FIXED_FIELDS = tuple(name for name, _ in _FIXED_LAYOUT if name)
 _HEADER_CRC_OFFSET = struct.calcsize("<8sHHIQI")  # where header_crc32 starts
 _MAX_U16 = 0xFFFF
 
-_DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+
+
+@cache
+def _dtype_codes() -> dict[torch.dtype, int]:
+    # Made on first use: torch loads when a tensor is encoded or decoded, not when the module
+    # is imported (the simulator's sized store imports this module and never touches a tensor).
+    import torch
+
+    return {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+
+
+@cache
+def _code_dtypes() -> dict[int, torch.dtype]:
+    return {code: dtype for dtype, code in _dtype_codes().items()}
 
 
 class PayloadError(ValueError):
@@ -133,6 +148,8 @@ def _bit_equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
         return a is b
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
+    import torch
+
     return bool(torch.equal(_as_bytes(a), _as_bytes(b)))
 
 
@@ -142,12 +159,14 @@ def _check_tensor(name: str, t: torch.Tensor | None, ndim: int, num_layers: int)
         raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
     if t.shape[0] != num_layers:
         raise ValueError(f"{name} has {t.shape[0]} layers but {num_layers} layer ids")
-    if t.dtype not in _DTYPE_CODES:
-        raise ValueError(f"{name} dtype {t.dtype} unsupported; use one of {sorted(map(str, _DTYPE_CODES))}")
+    if t.dtype not in _dtype_codes():
+        raise ValueError(f"{name} dtype {t.dtype} unsupported; use one of {sorted(map(str, _dtype_codes()))}")
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat uint8 CPU tensor (a view when already contiguous on CPU)."""
+    import torch
+
     return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
 
 
@@ -194,9 +213,9 @@ class PayloadHeader:
             shapes.append(("kda_conv", self.conv_dtype, (self.num_kda_layers, self.conv_rows, self.conv_channels)))
         out, offset = [], 0
         for name, code, shape in shapes:
-            if code not in _CODE_DTYPES:
+            if code not in _code_dtypes():
                 raise PayloadError(f"{name}: unknown dtype code {code}")
-            dtype = _CODE_DTYPES[code]
+            dtype = _code_dtypes()[code]
             out.append((name, dtype, shape, offset))
             offset = _align(offset + _numel(shape) * dtype.itemsize)
         return out
@@ -233,6 +252,7 @@ def _body_parts(payload: BlockPayload) -> list[memoryview]:
 def _header_bytes(payload: BlockPayload, body_bytes: int, body_crc32: int) -> bytes:
     fp = payload.model_fingerprint.encode()
     state, conv = payload.kda_state, payload.kda_conv
+    codes = _dtype_codes()
     fields = {
         "magic": MAGIC,
         "version": VERSION,
@@ -244,9 +264,9 @@ def _header_bytes(payload: BlockPayload, body_bytes: int, body_crc32: int) -> by
         "fingerprint_len": len(fp),
         "num_mla_layers": len(payload.mla_layer_ids),
         "num_kda_layers": len(payload.kda_layer_ids),
-        "mla_dtype": _DTYPE_CODES[payload.mla.dtype],
-        "state_dtype": _DTYPE_CODES[state.dtype] if state is not None else 0,
-        "conv_dtype": _DTYPE_CODES[conv.dtype] if conv is not None else 0,
+        "mla_dtype": codes[payload.mla.dtype],
+        "state_dtype": codes[state.dtype] if state is not None else 0,
+        "conv_dtype": codes[conv.dtype] if conv is not None else 0,
         "block_size": payload.mla.shape[1],
         "latent_dim": payload.mla.shape[2],
         "kda_heads": state.shape[1] if state is not None else 0,
@@ -376,6 +396,8 @@ def decode(
     body: bytearray | memoryview = view[head.header_bytes :]
     if body.readonly:
         body = bytearray(body)
+    import torch
+
     tensors: dict[str, torch.Tensor] = {}
     for name, dtype, shape, offset in head.sections():
         n = _numel(shape)
@@ -405,10 +427,14 @@ def make_random_payload(
     kda_heads: int = 2,
     kda_head_dim: int = 4,
     conv_rows: int = 3,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
 ) -> BlockPayload:
     """A payload of seeded random values, for tests and benchmarks (snapshot when
-    ``kda_layer_ids`` is non-empty; conv channels are ``3 * heads * head_dim``)."""
+    ``kda_layer_ids`` is non-empty; conv channels are ``3 * heads * head_dim``; ``dtype``
+    of the MLA rows, float32 when None)."""
+    import torch
+
+    dtype = dtype or torch.float32
     mla = torch.randn(len(mla_layer_ids), block_size, latent_dim, generator=generator).to(dtype)
     state = conv = None
     if kda_layer_ids:

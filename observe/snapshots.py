@@ -16,7 +16,6 @@ stacked panel stacked, and the legend beside the plot, never over it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -35,11 +34,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
+from observe.dashboard_cli import DEFAULT_DIR, main  # noqa: E402
 from observe.grafana import expand, panels_of  # noqa: E402
 from observe.prometheus import PrometheusClient  # noqa: E402
 from observe.units import Unit, unit_of  # noqa: E402
 
-DEFAULT_DIR = Path(__file__).resolve().parent.parent / "deploy" / "grafana"
 Series = tuple[str, list[float], list[float]]  # legend, times (s), values
 
 
@@ -170,36 +169,6 @@ def snapshot(prometheus_url: str, out_dir: str | Path, dashboard_dir: str | Path
             rendered.append(RenderedPanel(path.stem, panel.get("title", ""), png, len(series),
                                           sum(len(s[1]) for s in series)))
     return rendered
-
-
-def add_dashboard_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """``tidekv dashboard``; the parsed namespace's ``func(args)`` runs it."""
-    p = subparsers.add_parser("dashboard", help="render the Grafana dashboards' panels as PNGs from a Prometheus")
-    p.add_argument("--snapshot", required=True, metavar="DIR", help="directory for the PNGs")
-    p.add_argument("--prometheus", default="http://127.0.0.1:9090", help="Prometheus base URL")
-    p.add_argument("--dashboards", default=str(DEFAULT_DIR), help="directory of dashboard JSON")
-    p.add_argument("--range", dest="range_s", type=float, default=900.0, help="seconds of history (default 900)")
-    p.add_argument("--step", dest="step_s", type=float, default=15.0, help="seconds between points (default 15)")
-    p.set_defaults(func=run_dashboard)
-    return p
-
-
-def run_dashboard(args: argparse.Namespace) -> int:
-    rendered = snapshot(args.prometheus, args.snapshot, args.dashboards, args.range_s, args.step_s)
-    for r in rendered:
-        note = "" if r.num_points else "  (no data)"
-        print(f"{r.path}  {r.num_series} series, {r.num_points} points{note}", flush=True)
-    empty = sum(not r.num_points for r in rendered)
-    print(f"{len(rendered)} panels rendered to {args.snapshot}; {empty} without data", flush=True)
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``main(["dashboard", ...])``: the subcommand alone, as ``tidekv`` would parse it."""
-    parser = argparse.ArgumentParser(prog="tidekv")
-    add_dashboard_parser(parser.add_subparsers(required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
 
 
 if __name__ == "__main__":

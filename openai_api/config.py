@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.grpc_server import ServesConfig
+from runtime.tls import ServesConfig
 
 
 @dataclass(frozen=True)

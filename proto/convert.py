@@ -8,7 +8,7 @@ Nothing else converts them.
 from __future__ import annotations
 
 from clusterstate.workers import PrefillJobLoad, WorkerInfo, WorkerLoad, WorkerRole
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from kvstore.blocks import Tier
 from kvstore.index import BlockEvent
 from proto import inference_pb2 as pb

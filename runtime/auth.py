@@ -51,7 +51,7 @@ from pathlib import Path
 import grpc
 from google.protobuf.message import DecodeError
 
-from runtime.grpc_server import TlsFiles, channel
+from runtime.grpc_server import channel
 from runtime.logs import Throttled
 from runtime.signatures import (  # noqa: F401 - re-exported: the scheme's names, as callers import them
     AUDIENCE_HEADER,
@@ -66,6 +66,7 @@ from runtime.signatures import (  # noqa: F401 - re-exported: the scheme's names
     signed,
     verify,
 )
+from runtime.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 _REFUSALS = Throttled(log)

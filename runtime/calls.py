@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from kvstore.index import BlockEvent
 
 

@@ -23,8 +23,6 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-import torch
-
 C = TypeVar("C")
 ENV_PREFIX = "TIDEKV_"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -36,6 +34,8 @@ def torch_threads() -> int:
 
 
 def setup_torch(threads: int | None = None) -> None:
+    import torch  # here, not at the top: the simulator's command line parses settings without torch
+
     torch.set_num_threads(threads or torch_threads())
     torch.set_flush_denormal(True)
 

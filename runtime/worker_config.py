@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from engine import DEFAULT_BLOCK_SIZE
 from engine.parallel.shape import ParallelShape
-from runtime.grpc_server import ServesConfig
+from runtime.tls import ServesConfig
 
 TRANSFER_BACKENDS = ("tcp", "shm", "ucx")
 

@@ -19,8 +19,10 @@ is the instance's face (gRPC, registration, the canonical cache). Frozen; pure.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from engine.config import ModelConfig
+if TYPE_CHECKING:  # the model's config imports torch (its rope); a worker's config must not
+    from engine.config import ModelConfig
 
 
 @dataclass(frozen=True)
