@@ -5,9 +5,9 @@ sender wrote straight into the destination (``base.DirectSink``), verifies it th
 Threads: all connection handling, checksum verification and ``sink.write`` calls run on the
 I/O thread (``ioloop.IoThread``), one connection's frames strictly in order. A data frame's
 header is admitted before its body is read: a sink with ``views`` (``base.ViewSink``) then has
-the body received straight into its destination (tcp: no staging copy; the checksum is
-computed as the body lands and compared once it is in), any other sink gets ``write`` of a
-verified copy. Caller threads
+the body received straight into its destination (tcp: no staging copy, the checksum computed
+as the body lands and compared once it is in; ucx: when the destination is one contiguous
+view, checksummed there), any other sink gets ``write`` of a verified copy. Caller threads
 use ``expect``/``wait_layer``/``wait_complete``/``cancel``, which go through the locked
 ``stream.RequestTable``; never call the blocking waits from the I/O thread.
 

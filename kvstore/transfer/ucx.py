@@ -7,10 +7,11 @@ its UCX worker address and a per-connection tag prefix; the sender opens a UCX e
 that worker address and answers with a HELLO naming its own, to which the receiver opens the
 endpoint its receives are posted on (so closing the link cancels them). Each data frame's
 header goes over TCP and its body as one tag message ``tag = prefix << 32 | seq`` from the
-tensor's memory; the receiver posts the matching tag receive as soon as the header arrives
-(UCX holds early messages). Both sides pipeline: several bodies are in flight at once,
-bounded by the sender's in-flight credit. Every body send/recv races the control connection
-closing, so a dead peer fails, not hangs.
+tensor's memory; the receiver admits the header, then posts the matching tag receive straight
+into the destination when that is one contiguous view (else into a staging buffer), and
+checksums the body there (UCX holds a message that arrives first). The sender pipelines:
+several bodies are in flight at once, bounded by its in-flight credit. Every body send/recv
+races the control connection closing, so a dead peer fails, not hangs.
 
 Coalesced frames are one tag message too (``UcxSendLink``). Operations given up on are parked
 and logged once per link (``Orphans``); ``shutdown_ucx`` stops ucxx's notifier thread at exit.
@@ -50,7 +51,7 @@ import ucxx  # after the environment defaults above
 from ucxx.exceptions import UCXError
 
 from kvstore.transfer.base import Address, Frame, LinkClosed, RecvLink, TransferConfig, TransferError
-from kvstore.transfer.direct import copy_with_checksum
+from kvstore.transfer.direct import checksum_of, copy_with_checksum
 from kvstore.transfer.frames import HEADER_BYTES, FrameError, FrameHeader, Kind, checksum, control_header
 from kvstore.transfer.orphans import Orphans
 from kvstore.transfer.tcp import StreamListener, open_tcp, serve_factory
@@ -233,40 +234,29 @@ class UcxSendLink(StreamSendLink):
 class UcxRecvLink(StreamRecvLink):
     """Receiver end: a data body arrives as the tag message matching its header.
 
-    A pump task reads headers as they come and posts each body's tag receive at once, into a
-    buffer from a small free list, so bodies stream in while earlier frames are processed;
-    frames still reach the consumer in order. Outstanding buffers are bounded by the sender's
-    in-flight credit. Receives are posted on this link's own endpoint back to the sender, so
-    closing the link (or the sender's death) cancels those still pending: none waits forever
-    on a message that will never come, and their buffers are freed.
+    The tag receive is posted when the consumer reads the body (``read_data``), after it has
+    admitted the frame: straight into the destination when that is one contiguous view (pages
+    adjacent in memory), then checksummed there in one read pass (no staging copy); otherwise
+    into a buffer from a small free list, then checksummed while copied into the targets.
+    UCX holds a message that arrives before its receive is posted (a large one, rendezvous,
+    moves once the receive is posted), so nothing lands in memory the receiver has not given
+    to it, and only after the frame was admitted. Receives are posted on this link's own
+    endpoint back to the sender, so closing the link (or the sender's death) cancels one still
+    pending: none waits forever on a message that will never come. A receive into the
+    destination that does not complete aborts the endpoint before the failure is reported, so
+    UCX writes no more into memory the caller may reuse.
     """
 
-    MAX_FREE_BUFFERS = 32
+    MAX_FREE_BUFFERS = 4
 
     def __init__(self, conn: FrameConnection, endpoint: Any, tag_prefix: int, config: TransferConfig):
         super().__init__(conn)
         self._endpoint = endpoint
         self._tag_prefix = tag_prefix
         self._config = config
-        self._ready: asyncio.Queue[tuple[Frame | LinkClosed, asyncio.Future | None]] = asyncio.Queue()
-        self._bodies: dict[int, tuple[np.ndarray, asyncio.Future]] = {}  # seq -> (buffer, posted recv)
+        self._staged: dict[int, np.ndarray] = {}  # seq -> the buffer its body was received into
         self._free: list[np.ndarray] = []
         self._orphans = Orphans(f"ucx receiver link (tag prefix {tag_prefix})")
-        self._pump = asyncio.ensure_future(self._pump_headers())
-
-    async def _pump_headers(self) -> None:
-        while True:
-            item = await self.conn.next_frame()
-            if isinstance(item, Frame) and self._has_ucx_body(item):
-                header = item.header
-                buffer = self._take(header.body_bytes)
-                recv = asyncio.ensure_future(self._endpoint.recv(
-                    buffer[: header.body_bytes], tag=_tag(self._tag_prefix, header.seq), force_tag=True
-                ))
-                self._bodies[header.seq] = (buffer, recv)
-            self._ready.put_nowait(item)
-            if isinstance(item, LinkClosed):
-                return
 
     def _has_ucx_body(self, frame: Frame) -> bool:
         header = frame.header
@@ -278,39 +268,46 @@ class UcxRecvLink(StreamRecvLink):
                 return self._free.pop(i)
         return np.empty(nbytes, dtype=np.uint8)
 
-    async def next_frame(self) -> Frame | LinkClosed:
-        return await self._ready.get()
-
     async def read_data(self, frame: Frame, targets: list | None) -> tuple[memoryview, int, int]:
-        """The body's tag message, then checksummed while it is copied into ``targets``."""
+        """The body's tag message, received into the single target and checksummed there, or
+        received into a buffer of the link's and checksummed while copied into ``targets``."""
         header = frame.header
         if not self._has_ucx_body(frame):
             if header.kind.is_data and header.body_bytes > self._config.max_frame_bytes:
                 raise FrameError(f"{header.describe()}: {header.body_bytes} bytes exceed max_frame_bytes")
             return await super().read_data(frame, targets)
-        buffer, recv = self._bodies[header.seq]
-        await _race_close(recv, self.conn, self._config.deadline_s, f"body of {header.describe()}", self._orphans)
+        what = f"body of {header.describe()}"
+        if targets is not None and len(targets) == 1:
+            destination = targets[0]
+            try:
+                await self._receive(destination, header.seq, what)
+            except ConnectionError:
+                if not self._endpoint.closed:
+                    self._endpoint.abort()  # cancels the receive: nothing more lands in the destination
+                raise
+            return memoryview(b""), checksum_of(header.checksum_algo, [memoryview(destination)]), header.body_checksum
+        buffer = self._take(header.body_bytes)
+        await self._receive(buffer[: header.body_bytes], header.seq, what)
+        self._staged[header.seq] = buffer  # its receive completed: reusable once released
         return land(header, buffer[: header.body_bytes], targets)
+
+    async def _receive(self, buffer, seq: int, what: str) -> None:
+        recv = self._endpoint.recv(buffer, tag=_tag(self._tag_prefix, seq), force_tag=True)
+        await _race_close(recv, self.conn, self._config.deadline_s, what, self._orphans)
 
     def release(self, frame: Frame) -> None:
         super().release(frame)
-        entry = self._bodies.pop(frame.header.seq, None) if frame.header.kind.is_data else None
-        if entry is None:
-            return
-        buffer, recv = entry
-        # Only a completed receive's buffer may be reused; a pending one could still be written.
-        if not recv.done():
-            self._orphans.park([recv])
-        elif len(self._free) < self.MAX_FREE_BUFFERS:
+        buffer = self._staged.pop(frame.header.seq, None) if frame.header.kind.is_data else None
+        # Only buffers whose receive completed are listed: one still pending (parked by
+        # ``_race_close``, the link then failed) could still be written, so it is never reused.
+        if buffer is not None and len(self._free) < self.MAX_FREE_BUFFERS:
             self._free.append(buffer)
 
     def close(self) -> None:
-        self._pump.cancel()
-        self._orphans.park([recv for _, recv in self._bodies.values()])
         self._orphans.seal()
-        self._bodies.clear()
+        self._staged.clear()
         if not self._endpoint.closed:
-            self._endpoint.abort()  # cancels the receives still posted on it
+            self._endpoint.abort()  # cancels a receive still posted on it
         super().close()
 
 

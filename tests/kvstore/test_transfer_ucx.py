@@ -2,7 +2,10 @@
 ``test_transfer.py`` and ``test_transfer_auth.py``): ucxx is installed by the test install and
 works here without a GPU (UCX over tcp on loopback); abandoned UCX operations are collected
 (every exception retrieved) and logged once per link, in one line, when it closes; a killed
-peer leaves no exception unretrieved; ``shutdown_ucx`` stops ucxx's notifier thread.
+peer leaves no exception unretrieved; ``shutdown_ucx`` stops ucxx's notifier thread. A body
+whose destination is one contiguous view is received straight into it and checksummed there
+(a fake endpoint stands for UCX); a scattered destination goes through a staging buffer; a
+receive into the destination that never completes aborts the endpoint before it fails.
 """
 
 from __future__ import annotations
@@ -14,10 +17,14 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from kvstore.transfer import TransferConfig, TransferError, connect, ucx_unavailable_reason
+from kvstore.transfer.base import Frame
+from kvstore.transfer.frames import ChecksumAlgo, DType, FrameHeader, Kind, checksum
 from kvstore.transfer.orphans import Orphans, num_parked
+from kvstore.transfer.ucx import UcxRecvLink, _tag
 from tests.kvstore.transfer_peer import LAYOUT, send_chunks, send_states, source
 from tests.kvstore.transfer_support import REPO_ROOT
 
@@ -92,3 +99,89 @@ def test_shutdown_stops_the_notifier_thread_and_the_process_exits_cleanly():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "notifier threads after shutdown: []" in done.stdout, done.stdout
+
+
+BODY = np.random.default_rng(5).integers(0, 256, size=3000, dtype=np.uint8)
+
+
+class FakeConn:
+    """The control connection as ``UcxRecvLink`` and ``_race_close`` see it."""
+
+    def __init__(self) -> None:
+        self.closed = asyncio.Event()
+        self.closed_reason = ""
+        self.released = 0
+
+    def release(self) -> None:
+        self.released += 1
+
+
+class FakeEndpoint:
+    """A UCX endpoint whose tag receive writes ``message`` into the buffer it is given (or,
+    with ``hang``, never completes); it records those buffers."""
+
+    def __init__(self, message: np.ndarray, hang: bool = False) -> None:
+        self.message, self.hang = message, hang
+        self.buffers: list[tuple[np.ndarray, int]] = []
+        self.closed = False
+
+    async def recv(self, buffer: np.ndarray, tag: int, force_tag: bool) -> None:
+        assert force_tag
+        self.buffers.append((buffer, tag))
+        if self.hang:
+            await asyncio.Event().wait()
+        np.copyto(buffer, self.message)
+
+    def abort(self) -> None:
+        self.closed = True
+
+
+def body_frame(seq: int = 7) -> Frame:
+    header = FrameHeader(Kind.BLOB, "r", seq=seq, dtype=DType.UINT8, shape=(BODY.nbytes,), body_bytes=BODY.nbytes,
+                         body_checksum=checksum(ChecksumAlgo.CRC32, BODY), checksum_algo=ChecksumAlgo.CRC32)
+    return Frame(header, None)
+
+
+def read(endpoint: FakeEndpoint, targets: list[np.ndarray], deadline_s: float = 10.0):
+    async def scenario():
+        link = UcxRecvLink(FakeConn(), endpoint, 3, TransferConfig(deadline_s=deadline_s))
+        try:
+            return await link.read_data(body_frame(), targets)
+        finally:
+            link.release(body_frame())
+
+    return asyncio.run(scenario())
+
+
+def test_a_contiguous_destination_receives_the_body_itself_and_is_checksummed_there():
+    destination = np.zeros(BODY.nbytes, np.uint8)
+    endpoint = FakeEndpoint(BODY)
+    staged, actual, expected = read(endpoint, [destination])
+    [(buffer, tag)] = endpoint.buffers
+    assert np.shares_memory(buffer, destination), "the body went through a staging buffer"
+    assert tag == _tag(3, 7)
+    assert staged.nbytes == 0 and np.array_equal(destination, BODY)
+    assert actual == expected == checksum(ChecksumAlgo.CRC32, BODY)
+
+
+def test_a_damaged_body_received_in_place_shows_as_a_checksum_that_differs():
+    damaged = BODY.copy()
+    damaged[1500] ^= 1
+    _, actual, expected = read(FakeEndpoint(damaged), [np.zeros(BODY.nbytes, np.uint8)])
+    assert expected == checksum(ChecksumAlgo.CRC32, BODY) and actual != expected
+
+
+def test_a_scattered_destination_is_filled_from_a_staging_buffer():
+    targets = [np.zeros(1000, np.uint8), np.zeros(BODY.nbytes - 1000, np.uint8)]
+    endpoint = FakeEndpoint(BODY)
+    _, actual, expected = read(endpoint, targets)
+    [(buffer, _)] = endpoint.buffers
+    assert not any(np.shares_memory(buffer, t) for t in targets)
+    assert np.array_equal(np.concatenate(targets), BODY) and actual == expected
+
+
+def test_a_receive_into_the_destination_that_never_completes_aborts_the_endpoint_first():
+    endpoint = FakeEndpoint(BODY, hang=True)
+    with pytest.raises(ConnectionError, match="did not complete"):
+        read(endpoint, [np.zeros(BODY.nbytes, np.uint8)], deadline_s=0.05)
+    assert endpoint.closed, "UCX could still write into the destination after the failure"
