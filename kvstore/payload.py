@@ -56,7 +56,6 @@ _HEADER_CRC_OFFSET = struct.calcsize("<8sHHIQI")  # where header_crc32 starts
 _MAX_U16 = 0xFFFF
 
 
-
 @cache
 def _dtype_codes() -> dict[torch.dtype, int]:
     # Made on first use: torch loads when a tensor is encoded or decoded, not when the module
