@@ -37,7 +37,7 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import numpy as np
@@ -101,6 +101,16 @@ def ensure_ucx(config: TransferConfig) -> None:
             logger.warning("ucxx already initialised with %s; ignoring %s", _initialized_options, config.ucx_options)
 
 
+async def _started(op: Coroutine[Any, Any, Any]) -> Any:
+    """``op`` (a ucxx send or receive, not started yet), started once ucxx's pool of Python
+    futures is topped up: each operation takes one as it starts, and ucxx's notifier thread
+    refills the pool only between its waits, so a burst of more operations than it holds (a
+    transfer calibration's) made ucxx warn "No Futures available during getFuture()" for every
+    one it then made on the spot. The refill is a no-op while the pool is over half full."""
+    ucxx.core._get_ctx().worker.populate_python_futures_pool()
+    return await op
+
+
 def _tag(prefix: int, seq: int) -> int:
     return (prefix << 32) | (seq & 0xFFFFFFFF)
 
@@ -119,11 +129,11 @@ def _back_to_back(arrays: list[np.ndarray]) -> np.ndarray | None:
 
 
 async def _race_close(
-    op: Awaitable[Any], conn: FrameConnection, timeout_s: float, what: str, orphans: Orphans
+    op: Coroutine[Any, Any, Any], conn: FrameConnection, timeout_s: float, what: str, orphans: Orphans
 ) -> None:
     """Await a UCX operation unless the control connection closes or ``timeout_s`` passes
     (then the operation goes to ``orphans``)."""
-    task = asyncio.ensure_future(op)
+    task = asyncio.ensure_future(_started(op))
     closed = asyncio.ensure_future(conn.closed.wait())
     done, _ = await asyncio.wait({task, closed}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     closed.cancel()
