@@ -2,6 +2,7 @@
 # One entry point for a fresh clone: installs everything into .venv, then runs the demo or the tests.
 #   bash scripts/dev.sh demo   install, then run the main job
 #   bash scripts/dev.sh test   install (with test tools, the ucx extra and services), then run the whole test suite
+#   bash scripts/dev.sh bench NAME [args]   install the benchmarks' peer baselines too, then run bench/NAME.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -55,8 +56,23 @@ case "${1:-}" in
         "$venv/bin/ruff" check .
         exec "$venv/bin/python" -m pytest "$@"
         ;;
+    bench)
+        [ $# -ge 2 ] || { echo "usage: bash scripts/dev.sh bench NAME [args] (NAME: a module of bench/)" >&2; exit 2; }
+        # libibverbs1: Mooncake's transfer engine (bench.transfer and bench.store's peer) loads it, RDMA or not
+        need_debian redis-server libibverbs1
+        install_venv test,ucx,bench
+        # Dynamo's offline trace replay, bench.simulate's baseline: its wheels declare GPU serving
+        # dependencies the replay does not use, hence --no-deps
+        "$venv/bin/python" -c "import dynamo.replay.api" 2>/dev/null || {
+            echo "dev.sh: installing Dynamo's replay (ai-dynamo 1.6.1, --no-deps)"
+            "$venv/bin/pip" install -q --no-deps "ai-dynamo==1.6.1" "ai-dynamo-runtime==1.6.1" 2>&1 | grep -v "is ignored" || true
+        }
+        name=$2
+        shift 2
+        exec "$venv/bin/python" -m "bench.$name" "$@"
+        ;;
     *)
-        echo "usage: bash scripts/dev.sh demo|test [args]" >&2
+        echo "usage: bash scripts/dev.sh demo|test|bench [args]" >&2
         exit 2
         ;;
 esac
