@@ -12,6 +12,13 @@ bookkeeping around a step but not while the model runs. The KV of a reserved req
 written by the transfer receiver's thread into pages that no step touches until the request
 is running.
 
+A reservation whose ``Decode`` call never comes (its Conductor died) expires
+``reservation_ttl_s`` after its last sign of life: the reservation, or its KV still arriving
+(``ReservationTransfers.receiving``). Its pages are freed only once the receiver has forgotten
+it (``ReservationTransfers.cancel``, which waits out a sender still writing into them), so the
+KV of a prefill that runs after the expiry can never land in pages another request holds by
+then: it is refused, and that placement fails.
+
 Per step, the loop's own Python work that grows with the batch is handing each request its
 token (a C-level queue put, a fraction of a microsecond) and the length and stop checks; the
 rest is O(requests that join or leave). Cache pages for a request's whole decode are made sure
@@ -28,6 +35,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -97,10 +105,24 @@ class _Reserved:
     expires_at: float
 
 
+class ReservationTransfers(Protocol):
+    """What the scheduler asks of the transfer receiver about a reservation (``Receiver``)."""
+
+    def receiving(self, request_id: str) -> bool:
+        """Its KV is arriving: frames came and it is neither complete nor failed."""
+
+    def cancel(self, request_id: str) -> None:
+        """Forget it; returns once no sender may write into its destination."""
+
+
 class DecodeScheduler:
     def __init__(self, model: HybridModel, num_pages: int, num_slots: int, block_size: int,
-                 max_batch: int = 32, reservation_ttl_s: float = 120.0, metrics: DecodeMetrics | None = None):
+                 max_batch: int = 32, reservation_ttl_s: float = 120.0, metrics: DecodeMetrics | None = None,
+                 transfers: ReservationTransfers | None = None):
+        """``transfers``: the receiver writing the reservations' KV (None: nothing does, as in
+        unit tests; an expired reservation's pages are then freed at once)."""
         self.model = model
+        self.transfers = transfers
         self.cache: CacheManager = model.new_cache(num_pages, num_slots, block_size)
         self.max_batch = max_batch
         self.reservation_ttl_s = reservation_ttl_s
@@ -269,12 +291,36 @@ class DecodeScheduler:
         self._wake.notify_all()
 
     def _expire_reservations(self) -> None:
+        """Under lock: reservations past their TTL leave the table; KV still arriving renews
+        one. Their pages are freed here without a receiver, else by a thread once the receiver
+        has forgotten them (``cancel`` may wait for a sender; the loop must not)."""
         now = time.monotonic()
+        expired = []
         for rid, res in list(self._reserved.items()):
-            if res.expires_at < now:
-                log.warning("reservation %s expired without a decode call; freeing it", rid)
-                del self._reserved[rid]
-                self.cache.release(res.seq)
+            if res.expires_at >= now:
+                continue
+            if self.transfers is not None and self.transfers.receiving(rid):
+                res.expires_at = now + self.reservation_ttl_s
+                continue
+            log.warning("reservation %s expired without a decode call; freeing it", rid)
+            del self._reserved[rid]
+            expired.append((rid, res.seq))
+        if not expired:
+            return
+        if self.transfers is None:
+            for _, seq in expired:
+                self.cache.release(seq)
+            return
+        threading.Thread(target=self._free_expired, args=(expired,), name="decode-expiry", daemon=True).start()
+
+    def _free_expired(self, expired: list[tuple[str, SequenceCache]]) -> None:
+        assert self.transfers is not None
+        for rid, _ in expired:
+            self.transfers.cancel(rid)
+        with self._lock:
+            for _, seq in expired:
+                self.cache.release(seq)
+            self._wake.notify_all()
 
     def _fail_all(self, reason: str) -> None:
         for run in [*self._waiting, *self._running.values()]:

@@ -118,15 +118,15 @@ class DecodeWorker(WorkerServiceBase):
                                      tls=cfg.tls)
         self._closing.callback(self.metrics.stop)
         model = self._load_model()
-        self._scheduler = scheduler = DecodeScheduler(model, cfg.num_pages, cfg.num_slots, cfg.block_size,
-                                                      cfg.max_batch, reservation_ttl_s=cfg.reservation_ttl_s,
-                                                      metrics=DecodeMetrics(ident))
         # --tls: KV frames on tcp transfer links are encrypted too (the peers' setting is the same)
         receiver = Receiver(TransferConfig(deadline_s=cfg.transfer_deadline_s, bind_host=cfg.host,
                                            advertise_host=cfg.advertised_host,
                                            auth_key=self.credential.transfer_key, encrypt=cfg.tls.serves),
                             backends=cfg.transfer_backend)
         self._closing.callback(receiver.close)
+        self._scheduler = scheduler = DecodeScheduler(model, cfg.num_pages, cfg.num_slots, cfg.block_size,
+                                                      cfg.max_batch, reservation_ttl_s=cfg.reservation_ttl_s,
+                                                      metrics=DecodeMetrics(ident), transfers=receiver)
         self._listening, self._transfer_address = True, receiver.address
         scheduler.start()
         self._closing.callback(scheduler.stop)

@@ -137,6 +137,10 @@ class Receiver:
         self._check_caller()
         return self._table.wait_complete(request_id, timeout_s)
 
+    def receiving(self, request_id: str) -> bool:
+        """Chunks of the request have arrived, and it is neither complete nor failed."""
+        return self._table.receiving(request_id)
+
     def cancel(self, request_id: str) -> None:
         """Forget a request; waiters get TransferError and its sender is told to stop."""
         self._table.cancel(request_id)

@@ -281,6 +281,12 @@ class RequestTable:
                 request_id, progress.num_frames, progress.num_bytes, self._clock() - progress.started_at
             )
 
+    def receiving(self, request_id: str) -> bool:
+        """The request's chunks are arriving: at least one came, and it is neither complete nor failed."""
+        with self._cond:
+            progress = self._requests.get(request_id)
+            return progress is not None and progress.num_frames > 0 and not progress.complete and progress.error is None
+
     def cancel(self, request_id: str) -> int | None:
         """Forget the request (waiters get TransferError) once its placement, if any, is fenced;
         returns its connection id, if bound."""

@@ -249,3 +249,77 @@ def test_a_failing_step_ends_every_request_with_one_terminal(tiny):
         assert sched.cache.pool.num_free == 16
     finally:
         sched.stop()
+
+
+class _Transfers:
+    """The receiver as the scheduler sees it: which reservations have KV arriving, and what it
+    was told to forget (with the pool's free pages at that moment)."""
+
+    def __init__(self, sched_pool, receiving: set[str]) -> None:
+        self.pool, self.arriving, self.cancelled = sched_pool, receiving, []
+
+    def receiving(self, request_id: str) -> bool:
+        return request_id in self.arriving
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled.append((request_id, self.pool.num_free))
+
+
+def _until(condition, timeout_s: float = 30.0) -> None:
+    until = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < until, "timed out"
+        time.sleep(0.02)
+
+
+def test_an_expired_reservation_is_forgotten_by_the_receiver_before_its_pages_are_freed(tiny):
+    sched = DecodeScheduler(tiny, 8, 2, BLOCK, reservation_ttl_s=0.05)
+    sched.transfers = transfers = _Transfers(sched.cache.pool, receiving=set())
+    sched.start()
+    try:
+        assert sched.try_reserve("gone", 4 * BLOCK) is not None
+        _until(lambda: sched.cache.pool.num_free == 8)
+        # The receiver forgot it while its four pages were still held: no late KV lands in them.
+        assert transfers.cancelled == [("gone", 4)]
+        with pytest.raises(Exception, match="no reservation"):
+            sched.start_decoding("gone", 4 * BLOCK, 3, SamplingParams(max_new_tokens=2))
+        sched.check_integrity()
+    finally:
+        sched.stop()
+
+
+def test_a_reservation_whose_kv_is_arriving_is_renewed_until_it_stops(tiny):
+    sched = DecodeScheduler(tiny, 8, 2, BLOCK, reservation_ttl_s=0.05)  # its loop not started: checks by hand
+    sched.transfers = transfers = _Transfers(sched.cache.pool, receiving={"slow"})
+
+    def check_after_ttl() -> None:
+        time.sleep(0.06)
+        with sched._lock:
+            sched._expire_reservations()
+
+    assert sched.try_reserve("slow", 2 * BLOCK) is not None
+    check_after_ttl()
+    check_after_ttl()
+    assert transfers.cancelled == [] and sched.cache.pool.num_free == 6
+    transfers.arriving.clear()  # its sender stopped without finishing (it failed)
+    check_after_ttl()
+    _until(lambda: sched.cache.pool.num_free == 8)
+    assert transfers.cancelled == [("slow", 6)]
+
+
+def test_expiry_through_the_real_receiver_forgets_the_destination(tiny):
+    from decode_worker.sink import expected_for, sink_for
+    from kvstore.transfer import Receiver, TransferConfig
+
+    receiver = Receiver(TransferConfig())
+    sched = DecodeScheduler(tiny, 8, 2, BLOCK, reservation_ttl_s=0.05, transfers=receiver)
+    sched.start()
+    try:
+        seq = sched.try_reserve("late", 2 * BLOCK)
+        receiver.expect("late", sink_for(sched.cache, seq), expected_for(sched.cache, 2 * BLOCK), 600.0)
+        assert receiver.num_pending == 1 and not receiver.receiving("late")
+        _until(lambda: sched.cache.pool.num_free == 8)
+        assert receiver.num_pending == 0  # a prefill pushing its KV now is refused, not written
+    finally:
+        sched.stop()
+        receiver.close()
