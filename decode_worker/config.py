@@ -14,7 +14,8 @@ class DecodeConfig(WorkerConfig):
     max_batch: int = field(default=32, metadata={"help": "most requests in one decode step"})
     transfer_deadline_s: float = field(default=60.0, metadata={"help": "longest wait for a request's KV"})
     reservation_ttl_s: float = field(default=120.0, metadata={
-        "help": "a reservation whose Decode call never comes (its Conductor died) is freed after this long"})
+        "help": "a reservation whose Decode call never comes (its Conductor died) is freed after this long "
+                "without its KV arriving"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
