@@ -32,7 +32,7 @@ from runtime.auth import AuthError, Need, WorkerCredential, check_grant, current
 from runtime.errors import Refusal
 from runtime.grpc_server import start_server
 from runtime.metrics import Identity, start_metrics
-from runtime.ranks import serve_rank
+from runtime.ranks import exit_now, serve_rank
 from runtime.service import WorkerServiceBase, serve_until_signal
 from runtime.settings import parse_config, setup_torch
 
@@ -197,7 +197,7 @@ def serve(argv: list[str] | None = None) -> None:
     cfg = parse_config(PrefillConfig, argv, prog="tidekv serve --role prefill")
     if cfg.rank > 0:  # a rank of a parallel instance other than its face: no service of its own
         serve_rank(cfg)
-        return
+        exit_now(0)  # the group is left; the interpreter's finalization could abort under gloo's threads
     try:
         worker = build(cfg)
     except ValueError as e:

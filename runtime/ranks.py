@@ -61,10 +61,18 @@ def fail_fast(reason: str, deregister_instance: Callable[[str], object] | None) 
         t = threading.Thread(target=deregister_instance, args=(reason,), daemon=True)
         t.start()
         t.join(3.0)
+    exit_now(EXIT_RANK_LOST)
+
+
+def exit_now(code: int = 0) -> None:
+    """Ends this process with ``code`` once its logs are flushed, skipping the interpreter's
+    finalization: gloo's threads may still be inside the group being torn down, and abort it
+    (exit -6) when the interpreter unloads under them. Never returns."""
     for handler in logging.getLogger().handlers:
         handler.flush()
+    sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(EXIT_RANK_LOST)
+    os._exit(code)
 
 
 def _watch_key(config: WorkerConfig) -> bytes:
@@ -226,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         from decode_worker.config import DecodeConfig as Config
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serve_rank(parse_config(Config, argv[2:], prog=f"tidekv rank ({argv[1]})"))
+    exit_now(0)
 
 
 if __name__ == "__main__":
