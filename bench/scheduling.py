@@ -7,7 +7,10 @@ other policies as baselines in the same run. Prints one JSON object; progress go
    within 25%), and broken down: by route branch, prompt length and whether a queue was
    predicted, with where the time went against what was predicted for it (the terminal
    message's ``Timing``: the Conductor's queue and TTFT, the worker's prefill, the predicted
-   dispatch, queue and prefill), and the error with the Conductor's own TTFT observed.
+   dispatch, queue and prefill), and the error with the Conductor's own TTFT observed. Each
+   part's share: the error with the prefill's prediction replaced by the worker's own time
+   (``if_prefill_exact``: what the queue and dispatch predictions leave), and with the queue's
+   and the dispatch's replaced by what they took (``if_queue_and_dispatch_exact``).
 2. Policies side by side: the same scaled window of the Mooncake synthetic trace replayed
    live (``replay.live``) against a fresh cluster per policy, at each rate scale given:
    goodput (requests/s meeting both SLOs), TTFT p50/p90, TBT p90, rejection rate,
@@ -109,9 +112,19 @@ def error_summary(kept: list, parts: bool = False) -> dict:
     client = [abs(o.predicted_ttft_s - o.ttft_s) / o.ttft_s for o, _ in kept]
     server = [abs(o.predicted_ttft_s - o.timing.ttft_s) / o.timing.ttft_s for o, _ in kept if o.timing.ttft_s > 0]
     signed = [(o.predicted_ttft_s - o.ttft_s) / o.ttft_s for o, _ in kept]
+    # Each part's share: the error with the other part replaced by what happened. With the
+    # prefill exact, what is left is the queue's and the dispatch's; with the queue and the
+    # dispatch exact, the prefill's (the worker's own time against its prediction).
+    prefill_exact = [abs(o.predicted_ttft_s - o.timing.predicted_prefill_s + o.timing.prefill_worker_s - o.ttft_s)
+                     / o.ttft_s for o, _ in kept]
+    queue_exact = [abs(o.timing.predicted_prefill_s - o.timing.prefill_worker_s) / o.ttft_s for o, _ in kept]
     out = {"num_requests": len(client), "median_rel_error": statistics.median(client), "p90_rel_error": _q(client, 0.9),
            "median_signed_error": statistics.median(signed),
-           "vs_conductor_ttft": {"median_rel_error": statistics.median(server), "p90_rel_error": _q(server, 0.9)}}
+           "vs_conductor_ttft": {"median_rel_error": statistics.median(server), "p90_rel_error": _q(server, 0.9)},
+           "if_prefill_exact": {"median_rel_error": statistics.median(prefill_exact),
+                                "p90_rel_error": _q(prefill_exact, 0.9)},
+           "if_queue_and_dispatch_exact": {"median_rel_error": statistics.median(queue_exact),
+                                           "p90_rel_error": _q(queue_exact, 0.9)}}
     if parts:
         def ms(f) -> float:
             return round(1e3 * statistics.median(f(o.timing, o) for o, _ in kept), 2)
