@@ -23,9 +23,12 @@ def run_all(endpoint: str, requests: list, max_workers: int = 8) -> list[Complet
         client.close()
 
 
-def worker_stats(cluster) -> dict[str, ipb.WorkerStats]:
+def worker_stats(cluster, only: str | None = None) -> dict[str, ipb.WorkerStats]:
+    """Every registered worker's Stats (``only``: that worker's alone)."""
     out = {}
     for info in cluster.workers().workers:
+        if only is not None and info.worker_id != only:
+            continue
         ch = cluster.channel(info.rpc_address, worker_principal(info.worker_id))
         stub = igrpc.PrefillStub(ch) if info.role == ipb.WORKER_ROLE_PREFILL else igrpc.DecodeStub(ch)
         out[info.worker_id] = stub.Stats(ipb.StatsRequest(), timeout=5)

@@ -1,7 +1,8 @@
 """Fault tolerance on real processes: a decode worker lost mid-stream (the request moves to
 another decode worker and the client's stream goes on token-exact), a hung prefill worker
 (SIGSTOP: the attempt is cancelled at its bound and retried elsewhere) and deadlines that
-cannot be met (DEADLINE_EXCEEDED, never a FAILED terminal after some tokens).
+cannot be met (DEADLINE_EXCEEDED, never a FAILED terminal after some tokens), and a decode
+reservation that expires while its prefill is stopped (retried, token-exact).
 
 Streams are made long (hundreds of tokens at milliseconds each) so that a worker killed
 after the first few tokens the client reads is killed mid-stream; the tests assert where the
@@ -10,6 +11,7 @@ stream went on, never how long anything took."""
 import signal
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -17,9 +19,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import engine
 from conductor.client import Client
+from deploy.local import ClusterConfig, LocalCluster
 from proto import inference_pb2 as pb
-from tests.e2e.conftest import make_cluster
-from tests.e2e.helpers import prompt, run_all, wait_all_freed
+from tests.e2e.conftest import DECODE_ARGS, WORKER_ARGS, make_cluster
+from tests.e2e.helpers import prompt, run_all, wait_all_freed, worker_stats
 
 KILL_AFTER_TOKENS = 3
 
@@ -241,3 +244,43 @@ def test_a_hung_decode_worker_is_left_mid_stream(reference):
             if stopped is not None:
                 stopped.send_signal(signal.SIGCONT)
             client.close()
+
+
+def test_a_reservation_expired_while_its_prefill_was_stopped_is_retried_token_exact(reference):
+    """A decode reservation with a 1 s TTL whose prefill worker is SIGSTOPped: it expires (the
+    decode worker frees its pages once its receiver has forgotten it); when the worker runs
+    again, its KV finds no destination, that placement fails, and the retry completes the
+    request token-exact (before, its KV landed in the freed pages and its Decode call found no
+    reservation: the request failed after its first token). Nothing is left held."""
+    config = ClusterConfig(num_prefill=1, num_decode=1, policy="round_robin", prefill_args=WORKER_ARGS,
+                           decode_args=(*DECODE_ARGS, "--reservation-ttl-s", "1"))
+    with LocalCluster(config) as cluster:
+        stopped = cluster.procs["prefill-0"]
+        stopped.send_signal(signal.SIGSTOP)
+        p = prompt(200, 1700)
+        client = Client(cluster.endpoint)
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(client.generate, Client.request(p, max_tokens=8))
+                try:
+                    until = time.monotonic() + 60
+                    while True:  # reserved (pages held), then expired (all free again)
+                        held = worker_stats(cluster, only="decode-0")["decode-0"]
+                        if held.num_free_pages < held.num_pages_total:
+                            break
+                        assert time.monotonic() < until, "the request never reserved decode pages"
+                        time.sleep(0.05)
+                    while worker_stats(cluster, only="decode-0")["decode-0"].num_free_pages < held.num_pages_total:
+                        assert time.monotonic() < until, "the reservation never expired"
+                        time.sleep(0.05)
+                finally:
+                    stopped.send_signal(signal.SIGCONT)
+                c = pending.result(timeout=120)
+        finally:
+            client.close()
+        # Its first placement failed at the KV push (no destination), before any token: retried.
+        assert _conductor_counter(cluster, "prefill_retries") == {"transfer": 1.0}
+        assert (c.finish_reason, c.num_terminal) == ("length", 1), c
+        assert c.token_ids == engine.generate(reference, p, 8)
+        stats = wait_all_freed(cluster)
+        assert all(s.num_live_requests == 0 and s.num_free_pages == s.num_pages_total for s in stats.values())
