@@ -47,6 +47,7 @@ class TransferProgress:
     num_bytes: int = 0
     placement: LocalPlacement | None = None  # handed to connection ``conn_id`` for direct writes
     fenced: bool = True  # False while a peer holding the placement may still write
+    landing: int = 0  # chunks admitted that the receiver is writing into the sink (until ``landed``)
 
     @property
     def all_chunks_in(self) -> bool:

@@ -271,7 +271,10 @@ class Receiver:
             if sink is None:
                 await link.read_data(frame, None)  # always consume the body, even to drop it
             else:
-                reason = await self._deliver(link, frame, sink, metrics)
+                try:
+                    reason = await self._deliver(link, frame, sink, metrics)
+                finally:
+                    self._table.landed(header.request_id)
         if reason is not None:
             self.frames_rejected += 1
             self._reject(link, header, reason, told)

@@ -15,6 +15,9 @@ or ``fence_timeout_s`` passed, so the caller never frees memory a sender is stil
 
     open ──► PLACE sent ──► direct chunks ──► END ─────────────────► complete (fenced)
                                  └─► failure ──► ERROR ──► REVOKED ──► wait_complete raises
+
+The same holds for a chunk the receiver itself writes into the destination, from ``admit``
+to ``landed`` (a body received straight into the pages arrives over many reads).
 """
 
 from __future__ import annotations
@@ -64,10 +67,23 @@ class RequestTable:
     # ---- I/O thread ------------------------------------------------------------------------
 
     def admit(self, header: FrameHeader, conn_id: int) -> tuple[Sink | None, str | None]:
-        """``(sink, None)`` for a chunk that fits, else ``(None, reason)``; a misfit fails the request."""
+        """``(sink, None)`` for a chunk that fits, else ``(None, reason)``; a misfit fails the
+        request. An admitted chunk is landing until ``landed``: the request's memory is not
+        handed back (``cancel``, a failed ``wait_complete``) while it is written."""
         with self._cond:
             progress, reason = self._admit_locked(header, conn_id)
-            return (None, reason) if progress is None else (progress.sink, None)
+            if progress is None:
+                return None, reason
+            progress.landing += 1
+            return progress.sink, None
+
+    def landed(self, request_id: str) -> None:
+        """An admitted chunk of the request is written into its sink, or will never be."""
+        with self._cond:
+            progress = self._requests.get(request_id)
+            if progress is not None and progress.landing > 0:
+                progress.landing -= 1
+                self._cond.notify_all()
 
     def admit_direct(self, header: FrameHeader, conn_id: int) -> tuple[LocalPlacement | None, str | None]:
         """Like ``admit`` for a chunk the peer wrote into the destination: ``(placement, None)``
@@ -301,16 +317,17 @@ class RequestTable:
             return progress.conn_id
 
     def _wait_fenced(self, progress: TransferProgress) -> None:
-        """Wait (lock held) until no peer may write into the request's placement, at most
-        ``fence_timeout_s``; then its memory may be reused."""
+        """Wait (lock held) until nothing writes into the request's memory any more: no peer
+        holding its placement, no chunk of it landing here; at most ``fence_timeout_s``, then
+        its memory may be reused."""
         until = self._clock() + self._fence_timeout_s
-        while not progress.fenced:
+        while not progress.fenced or progress.landing:
             now = self._clock()
             if now >= until:
-                logger.error(
-                    "request %r: the sender holding its placement did not confirm it stopped writing within "
-                    "%.3g s; its destination may still be written", progress.request_id, self._fence_timeout_s,
-                )
+                who = ("the sender holding its placement did not confirm it stopped writing" if not progress.fenced
+                       else f"{progress.landing} of its chunks were still being written")
+                logger.error("request %r: %s within %.3g s; its destination may still be written",
+                             progress.request_id, who, self._fence_timeout_s)
                 return
             self._cond.wait(until - now)
 

@@ -115,9 +115,11 @@ def test_request_table_tracks_coverage_and_names_what_is_missing():
         sink, reason = table.admit(_rows_header("r", 0, t0, t1), conn_id=1)
         assert reason is None
         table.record(_rows_header("r", 0, t0, t1))
+        table.landed("r")
     table.wait_layer("r", 0, timeout_s=0)
     assert table.admit(_rows_header("r", 1, 0, 4), conn_id=1)[1] is None
     table.record(_rows_header("r", 1, 0, 4))
+    table.landed("r")
     _, reason = table.admit(_rows_header("r", 1, 2, 6), conn_id=1)
     assert "overlap" in reason
     table.check_integrity()
@@ -126,6 +128,7 @@ def test_request_table_tracks_coverage_and_names_what_is_missing():
     table.add("s", sink=None, expected=expected, deadline_s=30)
     table.admit(_rows_header("s", 0, 0, 8), conn_id=2)
     table.record(_rows_header("s", 0, 0, 8))
+    table.landed("s")
     reason = table.finish("s", num_units=2, conn_id=2)
     assert "truncated transfer" in reason and "layer 1 has tokens []" in reason
     with pytest.raises(TransferError, match="truncated transfer"):
@@ -569,3 +572,20 @@ def test_contiguous_row_chunks_are_coalesced_into_fewer_frames(rx):
     assert digest(received(sink)) == digest(data)
     rows_sent = len(LAYOUT.mla_layers) * LAYOUT.num_tokens
     assert result.num_frames == frames_sent < rows_sent + 2 * len(LAYOUT.kda_layers)
+
+
+def test_cancel_waits_for_a_chunk_still_landing_in_the_destination():
+    """A chunk admitted and not yet landed (a body still arriving into the pages): ``cancel``
+    returns only once it has, so the caller never frees memory the receiver is writing."""
+    import threading
+
+    table = RequestTable(fence_timeout_s=30.0)
+    table.add("r", sink=None, expected=Expected(mla_layers=(0,), token_end=8, mla_row_shape=(4,)), deadline_s=30)
+    assert table.admit(_rows_header("r", 0, 0, 4), conn_id=1)[1] is None
+    cancelled = threading.Event()
+    canceller = threading.Thread(target=lambda: (table.cancel("r"), cancelled.set()))
+    canceller.start()
+    assert not cancelled.wait(0.3)  # still landing: cancel waits
+    table.landed("r")
+    canceller.join(10)
+    assert cancelled.is_set() and len(table) == 0
