@@ -101,14 +101,15 @@ def ensure_ucx(config: TransferConfig) -> None:
             logger.warning("ucxx already initialised with %s; ignoring %s", _initialized_options, config.ucx_options)
 
 
-async def _started(op: Coroutine[Any, Any, Any]) -> Any:
-    """``op`` (a ucxx send or receive, not started yet), started once ucxx's pool of Python
-    futures is topped up: each operation takes one as it starts, and ucxx's notifier thread
-    refills the pool only between its waits, so a burst of more operations than it holds (a
-    transfer calibration's) made ucxx warn "No Futures available during getFuture()" for every
-    one it then made on the spot. The refill is a no-op while the pool is over half full."""
+async def _started(start: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    """The ucxx send or receive ``start()`` makes, made once ucxx's pool of Python futures is
+    topped up: each operation takes one as it starts, and ucxx's notifier thread refills the
+    pool only between its waits, so a burst of more operations than it holds (a transfer
+    calibration's) made ucxx warn "No Futures available during getFuture()" for every one it
+    then made on the spot. The refill is a no-op while the pool is over half full. (A factory,
+    not the coroutine: one cancelled before it runs makes none, so none is left un-awaited.)"""
     ucxx.core._get_ctx().worker.populate_python_futures_pool()
-    return await op
+    return await start()
 
 
 def _tag(prefix: int, seq: int) -> int:
@@ -129,11 +130,12 @@ def _back_to_back(arrays: list[np.ndarray]) -> np.ndarray | None:
 
 
 async def _race_close(
-    op: Coroutine[Any, Any, Any], conn: FrameConnection, timeout_s: float, what: str, orphans: Orphans
+    start: Callable[[], Coroutine[Any, Any, Any]], conn: FrameConnection, timeout_s: float, what: str,
+    orphans: Orphans,
 ) -> None:
-    """Await a UCX operation unless the control connection closes or ``timeout_s`` passes
-    (then the operation goes to ``orphans``)."""
-    task = asyncio.ensure_future(_started(op))
+    """Await the UCX operation ``start()`` makes unless the control connection closes or
+    ``timeout_s`` passes (then the operation goes to ``orphans``)."""
+    task = asyncio.ensure_future(_started(start))
     closed = asyncio.ensure_future(conn.closed.wait())
     done, _ = await asyncio.wait({task, closed}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     closed.cancel()
@@ -188,7 +190,7 @@ class UcxSendLink(StreamSendLink):
         await self.conn.write(header.pack())
         if header.body_bytes:
             tag = _tag(self._tag_prefix, header.seq)
-            send = self._endpoint.send(body, tag=tag, force_tag=True)
+            send = functools.partial(self._endpoint.send, body, tag=tag, force_tag=True)
             task = asyncio.ensure_future(
                 _race_close(send, self.conn, self._timeout_s, header.describe(), self._orphans)
             )
@@ -302,7 +304,7 @@ class UcxRecvLink(StreamRecvLink):
         return land(header, buffer[: header.body_bytes], targets)
 
     async def _receive(self, buffer, seq: int, what: str) -> None:
-        recv = self._endpoint.recv(buffer, tag=_tag(self._tag_prefix, seq), force_tag=True)
+        recv = functools.partial(self._endpoint.recv, buffer, tag=_tag(self._tag_prefix, seq), force_tag=True)
         await _race_close(recv, self.conn, self._config.deadline_s, what, self._orphans)
 
     def release(self, frame: Frame) -> None:
