@@ -34,10 +34,15 @@ def torch_threads() -> int:
 
 
 def setup_torch(threads: int | None = None) -> None:
+    """A serving process's engine settings: torch's threads, denormals flushed, and the C heap
+    kept once grown (``runtime.allocator``: no page faults on every chunk's temporaries)."""
     import torch  # here, not at the top: the simulator's command line parses settings without torch
+
+    from runtime.allocator import keep_heap
 
     torch.set_num_threads(threads or torch_threads())
     torch.set_flush_denormal(True)
+    keep_heap()
 
 
 def env_name(field_name: str) -> str:
