@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from conductor.cpp import unit_prefill_s
+from conductor.decode_batch import BatchIndex, batch_index
 from conductor.routing import (
     ClusterSnapshot,
     DecodeJob,
@@ -137,23 +138,16 @@ def choose_prefill(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cost
                          best_pull.transfer_s, best_pull.prefill_s)
 
 
-def _staying(worker: WorkerView, request: RouteRequest, costs: CostModels, at_s: float) -> tuple[int, int]:
-    """Batch size and context tokens on ``worker`` ``at_s`` seconds from now, before anyone
-    joins: running requests this Conductor does not know, the known running ones that have
-    not generated their remaining tokens by then, and this request."""
-    running = [j for j in worker.decode_jobs if j.decoding]
-    other = max(0, worker.num_running - len(running))
-    other_tokens = max(0, worker.num_context_tokens - sum(j.num_tokens for j in running))
+def _staying(worker: WorkerView, index: BatchIndex, request: RouteRequest, costs: CostModels,
+             at_s: float) -> tuple[int, int]:
+    """Batch size and context tokens on ``worker`` (its known jobs: ``index``) ``at_s``
+    seconds from now, before anyone joins: running requests this Conductor does not know, the
+    known running ones that have not generated their remaining tokens by then, and this request."""
+    other = max(0, worker.num_running - index.num_running)
+    other_tokens = max(0, worker.num_context_tokens - index.running_tokens)
     step_s = costs.decode_step_s(max(1, worker.num_running), worker.num_context_tokens)
-    staying = [j for j in running if j.num_remaining_tokens * step_s > at_s]
-    return other + len(staying) + 1, other_tokens + sum(j.num_tokens for j in staying) + request.num_prompt_tokens
-
-
-def _joining(worker: WorkerView, now_s: float, until_s: float) -> tuple[int, int]:
-    """Requests (and their tokens) this Conductor knows in prefill for ``worker`` that join
-    its batch within ``until_s`` seconds."""
-    joining = [j.num_tokens for j in worker.decode_jobs if not j.decoding and j.ready_in_s(now_s) <= until_s]
-    return len(joining), sum(joining)
+    num_staying, staying_tokens = index.staying(step_s, at_s)
+    return other + num_staying + 1, other_tokens + staying_tokens + request.num_prompt_tokens
 
 
 def tbt_after_join(worker: WorkerView, request: RouteRequest, costs: CostModels, at_s: float | None,
@@ -168,8 +162,9 @@ def tbt_after_join(worker: WorkerView, request: RouteRequest, costs: CostModels,
     batch it will share while it decodes, as far as this Conductor knows now."""
     if at_s is None:
         return costs.decode_step_s(worker.num_running + 1, worker.num_context_tokens + request.num_prompt_tokens)
-    batch, tokens = _staying(worker, request, costs, at_s)
-    num_joining, joining_tokens = _joining(worker, now_s, at_s if until_s is None else until_s)
+    index = batch_index(worker.decode_jobs)
+    batch, tokens = _staying(worker, index, request, costs, at_s)
+    num_joining, joining_tokens = index.joining(now_s, at_s if until_s is None else until_s)
     return costs.decode_step_s(batch + num_joining, tokens + joining_tokens)
 
 
@@ -177,10 +172,13 @@ def _tbt_while_decoding(worker: WorkerView, request: RouteRequest, costs: CostMo
                         now_s: float) -> float:
     """``tbt_after_join`` at ``ttft_s`` until the end of this request's decode (its max tokens
     at the step time on joining); the two predictions share everything but who joins."""
-    batch, tokens = _staying(worker, request, costs, ttft_s)
-    num_joining, joining_tokens = _joining(worker, now_s, ttft_s)
+    index = batch_index(worker.decode_jobs)
+    batch, tokens = _staying(worker, index, request, costs, ttft_s)
+    if not index.ready_at_s:  # nobody joins, then or later: both predictions are this one
+        return costs.decode_step_s(batch, tokens)
+    num_joining, joining_tokens = index.joining(now_s, ttft_s)
     first_s = costs.decode_step_s(batch + num_joining, tokens + joining_tokens)
-    num_joining, joining_tokens = _joining(worker, now_s, ttft_s + request.max_tokens * first_s)
+    num_joining, joining_tokens = index.joining(now_s, ttft_s + request.max_tokens * first_s)
     return costs.decode_step_s(batch + num_joining, tokens + joining_tokens)
 
 

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from clusterstate.workers import PrefillJobLoad
+from conductor.decode_batch import DecodeJobs
 from conductor.routing import DecodeJob, RouteDecision, RouteRequest, decode_need_pages
 
 # Groups frozen from another group's records (thawed with it).
@@ -194,7 +195,7 @@ class PendingWork:
         key = (group, worker)
         if key not in self._frozen:
             if group == "decode_jobs":
-                value = tuple(r.decode_job() for r in self._groups["on_decode"][worker].values())
+                value = DecodeJobs(r.decode_job() for r in self._groups["on_decode"][worker].values())
             elif group == "prefill_jobs":
                 value = tuple(r.prefill_job() for r in self._groups["in_prefill"][worker].values())
             elif group == "left_prefill":
