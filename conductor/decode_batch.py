@@ -54,12 +54,16 @@ class BatchIndex:
         ``at_s`` seconds from now at ``step_s`` a token: ``remaining * step_s > at_s``, which
         rises with ``remaining`` for ``step_s >= 0`` (the cost models' coefficients are)."""
         assert step_s >= 0, step_s
+        if not self.remaining:
+            return 0, 0
         first = bisect_right(self.remaining, at_s, key=lambda r: r * step_s)
         return self.num_running - first, self.tokens_from[first]
 
     def joining(self, now_s: float, until_s: float) -> tuple[int, int]:
         """Jobs in prefill (and their tokens) that join within ``until_s`` seconds of
         ``now_s``: ``DecodeJob.ready_in_s(now_s) <= until_s``, which rises with the join moment."""
+        if not self.ready_at_s:
+            return 0, 0
         num = bisect_right(self.ready_at_s, until_s, key=lambda a: max(1e-6, a - now_s))
         return num, self.tokens_before[num]
 

@@ -198,8 +198,9 @@ def _decode_choice(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cost
             return tbt_after_join(w, request, costs, None)
         return _tbt_while_decoding(w, request, costs, ttft_s, snapshot.time_s)
 
+    # Worker ids are unique, so the minimum never compares the views themselves.
     scored = [(predicted(w), -w.num_free_pages, w.worker_id, w) for w in fitting_decode(snapshot, request)]
-    tbt, _, _, worker = min(scored, key=lambda t: t[:3])
+    tbt, _, _, worker = min(scored)
     return worker, tbt
 
 

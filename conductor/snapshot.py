@@ -195,7 +195,7 @@ def _memo_prefill_view(memo: ViewMemo, entry: RegistryEntry, pending: PendingVie
     own, left = pending.prefill_jobs.get(w), pending.left_prefill.get(w) if listed else None
     hit = memo.prefill.get(w)
     if (hit is not None and hit[0] is entry.info and hit[1] is load and hit[2] == age and hit[3] is own
-            and hit[4] is left and hit[5] == usable and hit[6] is tier and hit[7] == pace):
+            and hit[4] is left and hit[5] == usable and hit[6] is tier and (hit[7] is pace or hit[7] == pace)):
         return hit[8]
     view = _prefill_view(entry, pending, m, pace, now_s)
     memo.prefill[w] = (entry.info, load, age, own, left, usable, tier, pace, view)
