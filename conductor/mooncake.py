@@ -100,7 +100,7 @@ def prefill_options(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cos
     single_s: dict[int, float] = {}  # a plain worker's prefill by reuse depth: unit_prefill_s's for cpp_stages 1
     for w in snapshot.prefill:
         local = min(w.usable_blocks, cap)
-        wait = queue_s(w, costs)
+        wait = queue_s(w, costs) if w.prefill_jobs else 0  # most workers of a large cluster: sum() of none
         branch = RouteBranch.LOCAL if local else RouteBranch.COLD
         if w.cpp_stages > 1:
             unit_s = unit_prefill_s(costs, w, n - local * bs, local * bs)
