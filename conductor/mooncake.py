@@ -82,8 +82,8 @@ def prefill_options(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cos
                     config) -> list[PrefillOption]:
     """Every (worker, local or pull) option of Algorithm 1, in snapshot order. What every
     worker's pull shares (the prefix, its prefill time before the worker's speed factor, its
-    transfer time per backend) is predicted once, and so is a plain worker's prefill of each
-    reuse depth (most workers reuse nothing)."""
+    transfer time per backend) is predicted once, and so are a plain worker's prefill and its
+    own reuse plan of each reuse depth (most workers reuse nothing)."""
     n, bs = request.num_prompt_tokens, request.block_size
     cap = max_reuse_blocks(request)
     best = best_holder(snapshot.prefill, request)
@@ -98,8 +98,12 @@ def prefill_options(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cos
         pull_s_of: dict[str, float] = {}  # by the puller's transfer backend
     options = []
     single_s: dict[int, float] = {}  # a plain worker's prefill by reuse depth: unit_prefill_s's for cpp_stages 1
+    own_plans: dict[int, ReusePlan] = {}  # one frozen plan per reuse depth, shared by the workers at it
     for w in snapshot.prefill:
         local = min(w.usable_blocks, cap)
+        own = own_plans.get(local)
+        if own is None:
+            own = own_plans[local] = ReusePlan(local, None)
         wait = queue_s(w, costs) if w.prefill_jobs else 0  # most workers of a large cluster: sum() of none
         branch = RouteBranch.LOCAL if local else RouteBranch.COLD
         if w.cpp_stages > 1:
@@ -108,7 +112,7 @@ def prefill_options(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cos
             unit_s = single_s.get(local)
             if unit_s is None:
                 unit_s = single_s[local] = costs.prefill_s(n - local * bs, local * bs)
-        options.append(PrefillOption(w, ReusePlan(local, None), branch, wait, 0.0, worker_prefill_s(w, unit_s)))
+        options.append(PrefillOption(w, own, branch, wait, 0.0, worker_prefill_s(w, unit_s)))
         if may_replicate and best.worker_id != w.worker_id and best_blocks > config.balancing_threshold * local:
             backend = w.transfer_backend
             if backend not in pull_s_of:
