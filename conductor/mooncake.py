@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from conductor.cpp import unit_prefill_s
+from conductor.decode_batch import BatchIndex, batch_index
 from conductor.routing import (
     ClusterSnapshot,
     DecodeJob,
@@ -81,8 +82,8 @@ def prefill_options(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cos
                     config) -> list[PrefillOption]:
     """Every (worker, local or pull) option of Algorithm 1, in snapshot order. What every
     worker's pull shares (the prefix, its prefill time before the worker's speed factor, its
-    transfer time per backend) is predicted once, and so is a plain worker's prefill of each
-    reuse depth (most workers reuse nothing)."""
+    transfer time per backend) is predicted once, and so are a plain worker's prefill and its
+    own reuse plan of each reuse depth (most workers reuse nothing)."""
     n, bs = request.num_prompt_tokens, request.block_size
     cap = max_reuse_blocks(request)
     best = best_holder(snapshot.prefill, request)
@@ -97,9 +98,13 @@ def prefill_options(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cos
         pull_s_of: dict[str, float] = {}  # by the puller's transfer backend
     options = []
     single_s: dict[int, float] = {}  # a plain worker's prefill by reuse depth: unit_prefill_s's for cpp_stages 1
+    own_plans: dict[int, ReusePlan] = {}  # one frozen plan per reuse depth, shared by the workers at it
     for w in snapshot.prefill:
         local = min(w.usable_blocks, cap)
-        wait = queue_s(w, costs)
+        own = own_plans.get(local)
+        if own is None:
+            own = own_plans[local] = ReusePlan(local, None)
+        wait = queue_s(w, costs) if w.prefill_jobs else 0  # most workers of a large cluster: sum() of none
         branch = RouteBranch.LOCAL if local else RouteBranch.COLD
         if w.cpp_stages > 1:
             unit_s = unit_prefill_s(costs, w, n - local * bs, local * bs)
@@ -107,7 +112,7 @@ def prefill_options(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cos
             unit_s = single_s.get(local)
             if unit_s is None:
                 unit_s = single_s[local] = costs.prefill_s(n - local * bs, local * bs)
-        options.append(PrefillOption(w, ReusePlan(local, None), branch, wait, 0.0, worker_prefill_s(w, unit_s)))
+        options.append(PrefillOption(w, own, branch, wait, 0.0, worker_prefill_s(w, unit_s)))
         if may_replicate and best.worker_id != w.worker_id and best_blocks > config.balancing_threshold * local:
             backend = w.transfer_backend
             if backend not in pull_s_of:
@@ -137,23 +142,16 @@ def choose_prefill(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cost
                          best_pull.transfer_s, best_pull.prefill_s)
 
 
-def _staying(worker: WorkerView, request: RouteRequest, costs: CostModels, at_s: float) -> tuple[int, int]:
-    """Batch size and context tokens on ``worker`` ``at_s`` seconds from now, before anyone
-    joins: running requests this Conductor does not know, the known running ones that have
-    not generated their remaining tokens by then, and this request."""
-    running = [j for j in worker.decode_jobs if j.decoding]
-    other = max(0, worker.num_running - len(running))
-    other_tokens = max(0, worker.num_context_tokens - sum(j.num_tokens for j in running))
+def _staying(worker: WorkerView, index: BatchIndex, request: RouteRequest, costs: CostModels,
+             at_s: float) -> tuple[int, int]:
+    """Batch size and context tokens on ``worker`` (its known jobs: ``index``) ``at_s``
+    seconds from now, before anyone joins: running requests this Conductor does not know, the
+    known running ones that have not generated their remaining tokens by then, and this request."""
+    other = max(0, worker.num_running - index.num_running)
+    other_tokens = max(0, worker.num_context_tokens - index.running_tokens)
     step_s = costs.decode_step_s(max(1, worker.num_running), worker.num_context_tokens)
-    staying = [j for j in running if j.num_remaining_tokens * step_s > at_s]
-    return other + len(staying) + 1, other_tokens + sum(j.num_tokens for j in staying) + request.num_prompt_tokens
-
-
-def _joining(worker: WorkerView, now_s: float, until_s: float) -> tuple[int, int]:
-    """Requests (and their tokens) this Conductor knows in prefill for ``worker`` that join
-    its batch within ``until_s`` seconds."""
-    joining = [j.num_tokens for j in worker.decode_jobs if not j.decoding and j.ready_in_s(now_s) <= until_s]
-    return len(joining), sum(joining)
+    num_staying, staying_tokens = index.staying(step_s, at_s)
+    return other + num_staying + 1, other_tokens + staying_tokens + request.num_prompt_tokens
 
 
 def tbt_after_join(worker: WorkerView, request: RouteRequest, costs: CostModels, at_s: float | None,
@@ -168,8 +166,9 @@ def tbt_after_join(worker: WorkerView, request: RouteRequest, costs: CostModels,
     batch it will share while it decodes, as far as this Conductor knows now."""
     if at_s is None:
         return costs.decode_step_s(worker.num_running + 1, worker.num_context_tokens + request.num_prompt_tokens)
-    batch, tokens = _staying(worker, request, costs, at_s)
-    num_joining, joining_tokens = _joining(worker, now_s, at_s if until_s is None else until_s)
+    index = batch_index(worker.decode_jobs)
+    batch, tokens = _staying(worker, index, request, costs, at_s)
+    num_joining, joining_tokens = index.joining(now_s, at_s if until_s is None else until_s)
     return costs.decode_step_s(batch + num_joining, tokens + joining_tokens)
 
 
@@ -177,10 +176,13 @@ def _tbt_while_decoding(worker: WorkerView, request: RouteRequest, costs: CostMo
                         now_s: float) -> float:
     """``tbt_after_join`` at ``ttft_s`` until the end of this request's decode (its max tokens
     at the step time on joining); the two predictions share everything but who joins."""
-    batch, tokens = _staying(worker, request, costs, ttft_s)
-    num_joining, joining_tokens = _joining(worker, now_s, ttft_s)
+    index = batch_index(worker.decode_jobs)
+    batch, tokens = _staying(worker, index, request, costs, ttft_s)
+    if not index.ready_at_s:  # nobody joins, then or later: both predictions are this one
+        return costs.decode_step_s(batch, tokens)
+    num_joining, joining_tokens = index.joining(now_s, ttft_s)
     first_s = costs.decode_step_s(batch + num_joining, tokens + joining_tokens)
-    num_joining, joining_tokens = _joining(worker, now_s, ttft_s + request.max_tokens * first_s)
+    num_joining, joining_tokens = index.joining(now_s, ttft_s + request.max_tokens * first_s)
     return costs.decode_step_s(batch + num_joining, tokens + joining_tokens)
 
 
@@ -200,8 +202,9 @@ def _decode_choice(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cost
             return tbt_after_join(w, request, costs, None)
         return _tbt_while_decoding(w, request, costs, ttft_s, snapshot.time_s)
 
+    # Worker ids are unique, so the minimum never compares the views themselves.
     scored = [(predicted(w), -w.num_free_pages, w.worker_id, w) for w in fitting_decode(snapshot, request)]
-    tbt, _, _, worker = min(scored, key=lambda t: t[:3])
+    tbt, _, _, worker = min(scored)
     return worker, tbt
 
 

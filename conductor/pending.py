@@ -8,8 +8,9 @@ records are kept for ``finished_ttl_s`` so a heartbeat sent before they finished
 trusted about them (``conductor.snapshot`` merges the two).
 
 Records are grouped by worker, and each worker's group is frozen (a tuple; finished records a
-dict by request id) only when it changed since the last ``view()``, so a view costs O(workers)
-plus the groups that changed (every token a stream receives changes its decode worker's).
+dict by request id) only when it changed since the last ``view()``, and a view's maps by worker
+are those of the last view where no group in them changed, so a view costs the groups that
+changed (every token a stream receives changes its decode worker's) and a copy of their maps.
 Thread-safe (one lock); time is given by the caller (the Conductor's injected clock).
 """
 
@@ -22,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from clusterstate.workers import PrefillJobLoad
+from conductor.decode_batch import DecodeJobs
 from conductor.routing import DecodeJob, RouteDecision, RouteRequest, decode_need_pages
 
 # Groups frozen from another group's records (thawed with it).
@@ -101,14 +103,23 @@ class PendingWork:
         self._left: dict[str, dict[str, int]] = defaultdict(dict)  # prefill worker -> id -> references
         self._free_at: dict[str, float] = {}  # prefill worker -> when its last prefill seen here ended
         self._frozen: dict[tuple[str, str], object] = {}
+        # By group: the map the last view handed out and the workers whose group changed since.
+        # A view hands the same map out again while none changed, else a copy with theirs
+        # replaced (handed-out maps are never changed), so it costs the changed groups only.
+        self._published: dict[str, dict[str, object]] = {}
+        self._changed: dict[str, set[str]] = defaultdict(set)
         self._lock = threading.Lock()
 
     # ---- grouping (under the lock) ------------------------------------------------------------
-    def _thaw(self, group: str, worker: str) -> None:
+    def _unfreeze(self, group: str, worker: str) -> None:
         self._frozen.pop((group, worker), None)
+        self._changed[group].add(worker)
+
+    def _thaw(self, group: str, worker: str) -> None:
+        self._unfreeze(group, worker)
         derived = _DERIVED.get(group)
         if derived is not None:
-            self._frozen.pop((derived, worker), None)
+            self._unfreeze(derived, worker)
 
     def _put(self, group: str, worker: str, record: PendingRequest) -> None:
         self._groups[group][worker][record.request_id] = record
@@ -123,7 +134,7 @@ class PendingWork:
         refs[request_id] = refs.get(request_id, 0) + delta
         if refs[request_id] <= 0:
             del refs[request_id]
-        self._frozen.pop(("left_prefill", worker), None)
+        self._unfreeze("left_prefill", worker)
 
     def _set(self, record: PendingRequest) -> None:
         self._live[record.request_id] = record
@@ -194,7 +205,7 @@ class PendingWork:
         key = (group, worker)
         if key not in self._frozen:
             if group == "decode_jobs":
-                value = tuple(r.decode_job() for r in self._groups["on_decode"][worker].values())
+                value = DecodeJobs(r.decode_job() for r in self._groups["on_decode"][worker].values())
             elif group == "prefill_jobs":
                 value = tuple(r.prefill_job() for r in self._groups["in_prefill"][worker].values())
             elif group == "left_prefill":
@@ -206,18 +217,31 @@ class PendingWork:
             self._frozen[key] = value
         return self._frozen[key]
 
+    def _by_worker(self, group: str, source: Mapping[str, Mapping[str, object]]) -> dict[str, object]:
+        """The frozen ``group`` of every worker with members in ``source`` (see ``_published``)."""
+        published, changed = self._published.get(group), self._changed[group]
+        if published is None:
+            published = {w: self._frozen_group(group, w) for w, members in source.items() if members}
+        elif changed:
+            published = dict(published)
+            for w in changed:
+                if source.get(w):
+                    published[w] = self._frozen_group(group, w)
+                else:
+                    published.pop(w, None)
+        changed.clear()
+        self._published[group] = published
+        return published
+
     def view(self) -> PendingView:
         with self._lock:
-            def by_worker(group: str, source: Mapping[str, object]) -> dict:
-                return {w: self._frozen_group(group, w) for w, members in source.items() if members}
-
             return PendingView(
-                in_prefill=by_worker("in_prefill", self._groups["in_prefill"]),
-                prefill_jobs=by_worker("prefill_jobs", self._groups["in_prefill"]),
-                left_prefill=by_worker("left_prefill", self._left),
-                on_decode=by_worker("on_decode", self._groups["on_decode"]),
-                decode_jobs=by_worker("decode_jobs", self._groups["on_decode"]),
-                ended_on_decode=by_worker("ended_on_decode", self._groups["ended_on_decode"]),
+                in_prefill=self._by_worker("in_prefill", self._groups["in_prefill"]),
+                prefill_jobs=self._by_worker("prefill_jobs", self._groups["in_prefill"]),
+                left_prefill=self._by_worker("left_prefill", self._left),
+                on_decode=self._by_worker("on_decode", self._groups["on_decode"]),
+                decode_jobs=self._by_worker("decode_jobs", self._groups["on_decode"]),
+                ended_on_decode=self._by_worker("ended_on_decode", self._groups["ended_on_decode"]),
                 prefill_free_at_s=dict(self._free_at),
             )
 

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from clusterstate.workers import PrefillJobLoad, WorkerInfo, WorkerLoad, WorkerRole
+from conductor.decode_batch import DecodeJobs
 from conductor.dispatch import request_of
 from conductor.pending import PendingView
 from conductor.routing import ClusterSnapshot, WorkerView
@@ -29,6 +30,7 @@ from conductor.speed import Pace
 from kvstore.index import MatchSnapshot
 
 _NO_PACE = Pace()
+_NO_DECODE_JOBS = DecodeJobs()
 _VIEW_DEFAULTS = {f.name: f.default for f in dataclasses.fields(WorkerView) if f.default is not dataclasses.MISSING}
 
 
@@ -145,7 +147,7 @@ def _decode_view(entry: RegistryEntry, pending: PendingView) -> WorkerView:
     return _view(
         worker_id=w, role=WorkerRole.DECODE, rpc_address=entry.rpc_address, transfer_address=entry.transfer_address,
         num_free_pages=max(0, free), num_running=max(0, running), num_queued=max(0, queued),
-        num_context_tokens=max(0, context), decode_jobs=pending.decode_jobs.get(w, ()),
+        num_context_tokens=max(0, context), decode_jobs=pending.decode_jobs.get(w, _NO_DECODE_JOBS),
     )
 
 
@@ -193,7 +195,7 @@ def _memo_prefill_view(memo: ViewMemo, entry: RegistryEntry, pending: PendingVie
     own, left = pending.prefill_jobs.get(w), pending.left_prefill.get(w) if listed else None
     hit = memo.prefill.get(w)
     if (hit is not None and hit[0] is entry.info and hit[1] is load and hit[2] == age and hit[3] is own
-            and hit[4] is left and hit[5] == usable and hit[6] is tier and hit[7] == pace):
+            and hit[4] is left and hit[5] == usable and hit[6] is tier and (hit[7] is pace or hit[7] == pace)):
         return hit[8]
     view = _prefill_view(entry, pending, m, pace, now_s)
     memo.prefill[w] = (entry.info, load, age, own, left, usable, tier, pace, view)

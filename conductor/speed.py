@@ -77,6 +77,9 @@ class WorkerSpeed:
             raise ValueError(f"weight {weight} must be in (0, 1]")
         self.weight = weight
         self._sums: dict[str, _Sums] = {}
+        # Each worker's pace as of its last sample, in a map replaced (never changed) on every
+        # sample: ``paces`` hands it out as it is, once per decision.
+        self._paces: dict[str, Pace] = {}
         self._lock = threading.Lock()
 
     def observe(self, worker_id: str, calibrated_s: float, observed_s: float, handoff_s: float = 0.0,
@@ -97,11 +100,14 @@ class WorkerSpeed:
             s.handoff_s = _mean(s.handoff_s, handoff_s, w)
             if dispatch_s is not None:
                 s.dispatch_s = _mean(s.dispatch_s, max(0.0, dispatch_s), w)
+            pace = Pace(min(MAX_FACTOR, max(MIN_FACTOR, s.engine / s.calibrated)), s.handoff_s or 0.0,
+                        s.dispatch_s or 0.0)
+            self._paces = {**self._paces, worker_id: pace}
 
     def paces(self) -> Mapping[str, Pace]:
+        """Every worker's pace (read-only: the same map until the next sample)."""
         with self._lock:
-            return {w: Pace(min(MAX_FACTOR, max(MIN_FACTOR, s.engine / s.calibrated)), s.handoff_s or 0.0,
-                            s.dispatch_s or 0.0) for w, s in self._sums.items()}
+            return self._paces
 
     def factors(self) -> Mapping[str, float]:
         """Each worker's ``Pace.slowdown``."""

@@ -139,7 +139,9 @@ class BlockIndex:
     def _worker_match(self, worker_id: str, matrix: bytes) -> WorkerMatch:
         """One worker's column of ``matrix`` up to its first 0: the contiguous held prefix."""
         slot = self._slots.get(worker_id)
-        if slot is None:  # holds nothing: one frozen answer per worker (decode workers never hold)
+        if slot is None or not matrix or not matrix[slot]:
+            # Holds nothing (decode workers never hold), or not the first key: one frozen
+            # answer per worker, the one the column would give.
             empty = self._empty_matches.get(worker_id)
             if empty is None:
                 empty = self._empty_matches[worker_id] = WorkerMatch(worker_id, 0, 0, b"")

@@ -85,7 +85,7 @@ class SimCluster:
             self._entries = [self._infos[wid] for workers in (self.prefill, self.decode) for wid in sorted(workers)]
         loads, entry = self._loads, RegistryEntry.of
         return tuple([entry(info, load, max(0.0, wall_now_s - load.timestamp_s))
-                      for info, load in [(info, loads[info.worker_id]) for info in self._entries]])
+                      for info in self._entries for load in (loads[info.worker_id],)])
 
     def match(self, keys: Sequence[BlockKey]) -> MatchSnapshot | None:
         self.last_match = self.index.match(keys) if keys else None

@@ -301,3 +301,26 @@ def test_the_first_of_its_own_jobs_runs_since_it_was_routed_or_the_last_prefill_
     # A heartbeat that shows a job running is believed as it is.
     beat = WorkerLoad(prefill_jobs=(PrefillJobLoad("b", 100, 0, 0.05), PrefillJobLoad("c", 100)))
     assert jobs(0.7, beat) == {"b": pytest.approx(0.05), "c": 0.0}
+
+
+def test_a_pending_view_is_the_same_viewed_often_or_once_and_never_changes_after() -> None:
+    """Views reuse the last view's maps where no group changed: one viewed after every change
+    equals one viewed only at the end, and an earlier view keeps what it held."""
+    often, once = PendingWork(finished_ttl_s=0.5), PendingWork(finished_ttl_s=0.5)
+    views: list[tuple[PendingView, dict]] = []
+    for i in range(6):
+        req = RouteRequest(f"r{i}", i, 100, 6, 20, BS)
+        steps = [("route", req, RouteDecision(f"p{i % 2}", f"d{i % 3}", ReusePlan(i % 3, None)), 0.1 * i)]
+        if i >= 1:
+            steps += [("prefill_done", f"r{i - 1}", 0.1 * i), ("decode_started", f"r{i - 1}", 0.1 * i),
+                      ("generated", f"r{i - 1}", i)]
+        if i >= 3:
+            steps.append(("finish", f"r{i - 3}", 0.3 * i))
+        for name, *args in steps:
+            getattr(often, name)(*args)
+            getattr(once, name)(*args)
+            view = often.view()
+            views.append((view, {f.name: dict(getattr(view, f.name)) for f in dataclasses.fields(view)}))
+    assert often.view() == once.view()
+    for view, held in views:
+        assert {f.name: dict(getattr(view, f.name)) for f in dataclasses.fields(view)} == held
