@@ -220,10 +220,15 @@ def build_snapshot(registry: Sequence[RegistryEntry], matches: MatchSnapshot | N
                    now_s: float, prefix_rate_per_s: float = 0.0,
                    paces: Mapping[str, Pace] | None = None, memo: ViewMemo | None = None) -> ClusterSnapshot:
     """The snapshot for one request (``matches``: the index's answer for its keys, or None;
-    ``paces``: each prefill worker's pace lately, ``conductor.speed``; default ``Pace()``;
+    ``paces``: each prefill worker's pace lately, ``conductor.speed``; a worker not in it has
+    its ``unseen`` pace (``Paces``), or ``Pace()`` (a plain mapping, or none);
     ``memo``: the views of the last snapshot built with it, reused where nothing changed, see
     ``ViewMemo``; the snapshot is the same with or without)."""
     paces = paces or {}
+
+    def unseen() -> Pace:
+        return getattr(paces, "unseen", _NO_PACE)
+
     by_worker = {m.worker_id: m for m in matches.matches} if matches is not None else {}
     prefill, decode = [], []
     for entry in registry:
@@ -231,9 +236,10 @@ def build_snapshot(registry: Sequence[RegistryEntry], matches: MatchSnapshot | N
         if entry.role is WorkerRole.DECODE:
             decode.append(_decode_view(entry, pending) if memo is None else _memo_decode_view(memo, entry, pending))
         elif memo is None:
-            prefill.append(_prefill_view(entry, pending, by_worker.get(w), paces.get(w, _NO_PACE), now_s))
+            prefill.append(_prefill_view(entry, pending, by_worker.get(w), paces.get(w) or unseen(), now_s))
         else:
-            prefill.append(_memo_prefill_view(memo, entry, pending, by_worker.get(w), paces.get(w, _NO_PACE), now_s))
+            pace = paces.get(w) or unseen()
+            prefill.append(_memo_prefill_view(memo, entry, pending, by_worker.get(w), pace, now_s))
     # Made without ClusterSnapshot's checks (two passes over every worker, per decision): each
     # view's role is set above from the registry's, whose worker ids are unique.
     snapshot = object.__new__(ClusterSnapshot)

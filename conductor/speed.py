@@ -27,13 +27,18 @@ and queue wait here, with the time from routing to the first token (``observe``)
   queue wait and prefill are taken out: the Reserve and Prefill RPCs and the Conductor's
   own work, on the cores it shares.
 
-A worker not seen yet has ``Pace()`` (factor 1, no overheads); the first sample of each mean
-sets it. The snapshot hands the paces to the policy (``WorkerView``), which scales and adds
-them to that worker's predicted queue and prefill times. Thread-safe.
+A worker not seen yet has the pooled pace of those seen (``Paces.unseen``: the median of
+each field over them; ``Pace()``, factor 1 and no overheads, while none is), and its factor's
+sums start from that factor: a worker that joins a cluster whose workers run at twice the
+calibrated time is not predicted at half its real time, and so handed a burst of requests,
+until its first prefill ends. The first sample of each mean sets it. The snapshot hands the
+paces to the policy (``WorkerView``), which scales and adds them to that worker's predicted
+queue and prefill times. Thread-safe.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -51,11 +56,31 @@ class Pace:
     dispatch_s: float = 0.0
 
 
+class Paces(dict[str, Pace]):
+    """Every seen worker's pace by worker id, and ``unseen``: the pace of a worker not in it.
+    Never changed once handed out (``WorkerSpeed`` replaces it on every sample)."""
+
+    @functools.cached_property
+    def unseen(self) -> Pace:
+        """The median of each field over the seen workers (the lower middle of an even count),
+        ``Pace()`` when none is: computed once per map, and only when some worker is not in it."""
+        if not self:
+            return Pace()
+        paces = list(self.values())
+
+        def middle(values: list[float]) -> float:
+            return sorted(values)[(len(values) - 1) // 2]
+
+        return Pace(middle([p.slowdown for p in paces]), middle([p.handoff_s for p in paces]),
+                    middle([p.dispatch_s for p in paces]))
+
+
 class _Sums:
     __slots__ = ("engine", "calibrated", "handoff_s", "dispatch_s")
 
-    def __init__(self) -> None:
-        self.engine = self.calibrated = PRIOR_S
+    def __init__(self, slowdown: float = 1.0) -> None:
+        self.calibrated = PRIOR_S
+        self.engine = PRIOR_S * slowdown
         self.handoff_s: float | None = None
         self.dispatch_s: float | None = None
 
@@ -79,7 +104,7 @@ class WorkerSpeed:
         self._sums: dict[str, _Sums] = {}
         # Each worker's pace as of its last sample, in a map replaced (never changed) on every
         # sample: ``paces`` hands it out as it is, once per decision.
-        self._paces: dict[str, Pace] = {}
+        self._paces = Paces()
         self._lock = threading.Lock()
 
     def observe(self, worker_id: str, calibrated_s: float, observed_s: float, handoff_s: float = 0.0,
@@ -94,7 +119,9 @@ class WorkerSpeed:
         handoff_s = min(max(0.0, handoff_s), observed_s)
         keep, w = 1.0 - self.weight, self.weight
         with self._lock:
-            s = self._sums.setdefault(worker_id, _Sums())
+            s = self._sums.get(worker_id)
+            if s is None:
+                s = self._sums[worker_id] = _Sums(self._paces.unseen.slowdown)
             s.engine = keep * s.engine + (observed_s - handoff_s)
             s.calibrated = keep * s.calibrated + calibrated_s
             s.handoff_s = _mean(s.handoff_s, handoff_s, w)
@@ -102,10 +129,11 @@ class WorkerSpeed:
                 s.dispatch_s = _mean(s.dispatch_s, max(0.0, dispatch_s), w)
             pace = Pace(min(MAX_FACTOR, max(MIN_FACTOR, s.engine / s.calibrated)), s.handoff_s or 0.0,
                         s.dispatch_s or 0.0)
-            self._paces = {**self._paces, worker_id: pace}
+            self._paces = Paces({**self._paces, worker_id: pace})
 
-    def paces(self) -> Mapping[str, Pace]:
-        """Every worker's pace (read-only: the same map until the next sample)."""
+    def paces(self) -> Paces:
+        """Every seen worker's pace, and the pace of one not seen yet (``Paces.unseen``);
+        read-only: the same map until the next sample."""
         with self._lock:
             return self._paces
 

@@ -26,7 +26,7 @@ from conductor.routing import (
     policy_names,
 )
 from conductor.snapshot import RegistryEntry, ViewMemo, build_snapshot
-from conductor.speed import Pace
+from conductor.speed import Pace, WorkerSpeed
 from costmodel import CostModels
 from runtime.settings import parse_config
 
@@ -157,6 +157,30 @@ def test_a_view_memo_changes_no_snapshot() -> None:
                                                    request_ids=("r0",)))
     after = both(0.8, age_s=0.8)
     assert after.decode[0].num_free_pages != first.decode[0].num_free_pages
+
+
+def test_a_worker_not_seen_yet_runs_at_the_pooled_pace_of_those_seen() -> None:
+    """A worker that joins a cluster running at about twice the calibrated time is predicted
+    at that pace, not at the calibration's, until its own first prefill; and that first
+    sample moves its factor from the pooled one, not from 1."""
+    speed = WorkerSpeed(weight=0.5)
+    registry = [entry("p0", "prefill"), entry("p1", "prefill"), entry("new", "prefill"), entry("d0", "decode")]
+
+    def views():
+        return {v.worker_id: v for v in build_snapshot(registry, None, PendingView(), 0.0, 0.0, speed.paces(),
+                                                        ViewMemo()).prefill}
+
+    assert views()["new"].slowdown == 1.0 and speed.paces().unseen == Pace()  # nothing seen: the calibration
+    speed.observe("p0", calibrated_s=1.0, observed_s=2.2, handoff_s=0.2, dispatch_s=0.01)
+    speed.observe("p1", calibrated_s=1.0, observed_s=3.0, handoff_s=0.4, dispatch_s=0.03)
+    paces = speed.paces()
+    unseen = paces.unseen  # the lower middle of p0's and p1's
+    assert unseen == Pace(paces["p0"].slowdown, 0.2, 0.01) and unseen.slowdown > 1.5
+    new = views()["new"]
+    assert (new.slowdown, new.handoff_s, new.dispatch_s) == (unseen.slowdown, 0.2, 0.01)
+    assert views()["p1"].slowdown == paces["p1"].slowdown  # a seen worker keeps its own
+    speed.observe("new", calibrated_s=1.0, observed_s=1.0)  # its first prefill, at the calibrated speed
+    assert speed.paces()["new"].slowdown == pytest.approx((0.5 * 0.5 * unseen.slowdown + 1.0) / (0.5 * 0.5 + 1.0))
 
 
 def test_a_retry_routed_back_while_the_heartbeat_lists_the_placement_that_left() -> None:
