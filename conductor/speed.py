@@ -30,7 +30,7 @@ and queue wait here, with the time from routing to the first token (``observe``)
 A worker not seen yet has the pooled pace of those seen (``Paces.unseen``: the median of
 each field over them; ``Pace()``, factor 1 and no overheads, while none is), and its factor's
 sums start from that factor: a worker that joins a cluster whose workers run at twice the
-calibrated time is not predicted at half its real time, and so handed a burst of requests,
+calibrated time is not predicted at half its real time, and so handed more than its share,
 until its first prefill ends. The first sample of each mean sets it. The snapshot hands the
 paces to the policy (``WorkerView``), which scales and adds them to that worker's predicted
 queue and prefill times. Thread-safe.
