@@ -264,9 +264,12 @@ class SendLink(Protocol):
 
     coalesces: bool  # send_data accepts a body of several parts (coalesced chunks)
 
-    async def send_data(self, header: FrameHeader, parts: Sequence[memoryview], corrupt: bool = False) -> None:
+    async def send_data(
+        self, header: FrameHeader, parts: Sequence[memoryview], corrupt: bool = False, more: bool = False
+    ) -> None:
         """Checksum and send one data frame whose body is ``parts`` in order (``corrupt``:
-        test-only, damage it after checksumming)."""
+        test-only, damage it after checksumming; ``more``: another data frame is queued behind
+        it, so the receiver has work while this one is sent)."""
 
     async def flush(self) -> None:
         """Write out frames the link batches; called whenever the sender's queue runs dry."""

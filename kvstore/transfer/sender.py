@@ -362,7 +362,9 @@ class Sender:
             await self._link.send_truncated(header, item.parts[0])
             raise _InjectedTruncation(f"fault injection: truncated frame seq {header.seq}")
         # The link checksums the body (the shm link while copying it into the destination).
-        await self._link.send_data(header, item.parts, header.seq == self._faults.corrupt_seq)
+        with self._cond:
+            more = bool(self._outbox) and self._outbox[0] is not None and self._outbox[0].parts is not None
+        await self._link.send_data(header, item.parts, header.seq == self._faults.corrupt_seq, more)
         self._metrics.frame(header.body_bytes)
         with self._cond:
             self._frames_sent += 1

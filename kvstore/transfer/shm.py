@@ -5,8 +5,11 @@ Direct placement, when the receiver's sink lives in shareable memory (``base.Dir
 first time a request appears on a connection the sender asks for its placement (OPEN), the
 receiver answers with the byte ranges of its pages and state tensors (PLACE, ``placement``),
 and from then on the sender copies each body into those ranges, checksumming every block as
-it copies it (``direct``), and sends a FLAG_DIRECT header. The receiver checksums the bytes in
-place before it counts the chunk; a failure fails the request, whose memory is not reused
+it copies it (``direct``), and sends a FLAG_DIRECT header. A row chunk of more than
+``DIRECT_PIECE_BYTES`` with no other data frame queued behind it goes a piece of rows at a
+time, each piece's header written as soon as it is in place, so the receiver's check overlaps
+the rest of the copy. The receiver checksums
+the bytes in place before it counts the chunk; a failure fails the request, whose memory is not reused
 until the sender has confirmed (REVOKED, in answer to the ERROR) that it writes no more.
 Headers of small frames are batched into one write per ``FLUSH_BYTES`` of bodies.
 
@@ -53,6 +56,7 @@ _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 FLUSH_BYTES = 1 << 20  # batch headers until this many body bytes (or FLUSH_FRAMES frames) wait
 FLUSH_FRAMES = 64
 MAX_PLACEMENTS = 4096
+DIRECT_PIECE_BYTES = 2 << 20  # a larger row chunk is copied and announced in pieces of about this
 _UNASKED = object()
 _REVOKED = object()
 
@@ -76,35 +80,61 @@ class ShmSendLink(StreamSendLink):
         self._batch: list[bytes] = []
         self._batch_bytes = 0
 
-    async def send_data(self, header: FrameHeader, parts: Sequence[memoryview], corrupt: bool = False) -> None:
+    async def send_data(
+        self, header: FrameHeader, parts: Sequence[memoryview], corrupt: bool = False, more: bool = False
+    ) -> None:
         placement = await self._placement(header.request_id)
-        if placement is None or not self._try_direct(header, parts, corrupt, placement):
+        if placement is None or not self._try_direct(header, parts, corrupt, placement, more):
             await self._send_via_ring(header, parts, corrupt)
         if self._batch_bytes >= FLUSH_BYTES or len(self._batch) >= FLUSH_FRAMES:
             await self.flush()
 
     def _try_direct(
-        self, header: FrameHeader, parts: Sequence[memoryview], corrupt: bool, placement: PagePlacement
+        self, header: FrameHeader, parts: Sequence[memoryview], corrupt: bool, placement: PagePlacement, more: bool
     ) -> bool:
-        """Copy the body into its placement and queue its header; False if it has no place there."""
+        """Copy the body into its placement and queue its header; False if it has no place there.
+
+        With no other data frame queued (``more``), a large row chunk is copied a piece of rows
+        at a time (``DIRECT_PIECE_BYTES``), each piece's header written as soon as it is in
+        place, so the receiver verifies piece k on its core while this one copies piece k + 1;
+        the last piece's check is all that remains after the copy. (With a frame queued behind
+        it, the receiver checks this one while the next is copied: pieces would only add
+        wakeups.) Every piece is a chunk of its own to the receiver (own token range and
+        checksum), and all carry the frame's seq."""
         segments = placement.segments(header.kind, header.layer, header.token_start, header.token_end)
         if segments is None or sum(n for _, _, n in segments) != header.body_bytes:
             return False
         # Checked on every frame: once our transport is closing nothing may be written any more.
         if self.conn.closed.is_set() or self.conn.transport.is_closing():
             raise ConnectionError(self.conn.closed_reason or "connection is closing")
-        try:
-            targets = self._regions.targets(placement.regions, segments)
-        except FrameError as exc:  # the receiver's memory cannot be mapped here
-            logger.warning("request %r: direct write impossible (%s); using the ring", header.request_id, exc)
-            self._placements[header.request_id] = None
-            return False
-        crc = copy_with_checksum(header.checksum_algo, parts, targets)
-        if corrupt:  # fault injection: damage the destination after checksumming
-            _flip_middle_byte(targets, header.body_bytes)
-        self._batch.append(header._replace(body_checksum=crc, flags=header.flags | FLAG_DIRECT).pack())
-        self._batch_bytes += header.body_bytes
+        pieces = [header] if more else _pieces(header)
+        if len(pieces) > 1 and self._batch:
+            self._write_batch()  # the headers of earlier frames go first
+        for index, piece in enumerate(pieces):
+            try:
+                piece_segments = segments if piece is header else _byte_range(segments, piece.aux, piece.body_bytes)
+                targets = self._regions.targets(placement.regions, piece_segments)
+            except FrameError as exc:  # the receiver's memory cannot be mapped here
+                if index:  # pieces already announced: the receiver fails the rest as missing
+                    raise ConnectionError(f"direct write failed midway: {exc}") from exc
+                logger.warning("request %r: direct write impossible (%s); using the ring", header.request_id, exc)
+                self._placements[header.request_id] = None
+                return False
+            body = parts if piece is header else _byte_range(parts, piece.aux, piece.body_bytes)
+            crc = copy_with_checksum(header.checksum_algo, body, targets)
+            if corrupt and index == len(pieces) // 2:  # fault injection: damage it after checksumming
+                _flip_middle_byte(targets, piece.body_bytes)
+            self._batch.append(piece._replace(aux=0, body_checksum=crc, flags=header.flags | FLAG_DIRECT).pack())
+            self._batch_bytes += piece.body_bytes
+            if len(pieces) > 1:
+                self._write_batch()
         return True
+
+    def _write_batch(self) -> None:
+        """Write the queued headers now, without waiting for the transport to drain (a few
+        hundred bytes; ``flush`` waits)."""
+        parts, self._batch, self._batch_bytes = self._batch, [], 0
+        self.conn.transport.writelines(parts)
 
     async def _send_via_ring(self, header: FrameHeader, parts: Sequence[memoryview], corrupt: bool) -> None:
         header, parts = seal(header, parts, corrupt)
@@ -218,6 +248,44 @@ class ShmSendLink(StreamSendLink):
         self.ring.unlink()
         super().close()  # the transport is closing from here on: no direct write starts again
         self._regions.close()
+
+
+def _pieces(header: FrameHeader) -> list[FrameHeader]:
+    """A row chunk of more than ``DIRECT_PIECE_BYTES`` as headers of consecutive row ranges of
+    about that size (``aux``: the piece's byte offset in the body); any other chunk as itself."""
+    rows = header.token_end - header.token_start
+    if header.kind != Kind.MLA_ROWS or header.body_bytes <= DIRECT_PIECE_BYTES or rows < 2:
+        return [header]
+    row_bytes = header.body_bytes // rows
+    step = max(1, DIRECT_PIECE_BYTES // row_bytes)
+    return [
+        header._replace(
+            token_start=header.token_start + start,
+            token_end=header.token_start + min(rows, start + step),
+            shape=(min(rows, start + step) - start, *header.shape[1:]),
+            body_bytes=(min(rows, start + step) - start) * row_bytes,
+            aux=start * row_bytes,
+        )
+        for start in range(0, rows, step)
+    ]
+
+
+def _byte_range(parts: Sequence, start: int, nbytes: int) -> list:
+    """Bytes [start, start + nbytes) of a body given as ``parts`` in order: memoryviews (views
+    of them) or segments ``(region, offset, nbytes)`` (segments of them)."""
+    out = []
+    for part in parts:
+        size = part[2] if isinstance(part, tuple) else part.nbytes
+        if start >= size:
+            start -= size
+            continue
+        take = min(size - start, nbytes)
+        out.append((part[0], part[1] + start, take) if isinstance(part, tuple) else part[start : start + take])
+        nbytes -= take
+        start = 0
+        if not nbytes:
+            break
+    return out
 
 
 def _flip_middle_byte(targets: list[np.ndarray], nbytes: int) -> None:

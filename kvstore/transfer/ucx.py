@@ -179,7 +179,9 @@ class UcxSendLink(StreamSendLink):
 
     coalesces = True  # several parts become one tag message
 
-    async def send_data(self, header: FrameHeader, parts: Sequence[memoryview], corrupt: bool = False) -> None:
+    async def send_data(
+        self, header: FrameHeader, parts: Sequence[memoryview], corrupt: bool = False, more: bool = False
+    ) -> None:
         if self._send_error is not None:
             raise ConnectionError(self._send_error)
         body, crc, gathered = self._one_body(header, parts)

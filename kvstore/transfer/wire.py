@@ -73,7 +73,9 @@ class StreamSendLink:
     def __init__(self, conn: FrameConnection):
         self.conn = conn
 
-    async def send_data(self, header: FrameHeader, parts: Sequence[memoryview], corrupt: bool = False) -> None:
+    async def send_data(
+        self, header: FrameHeader, parts: Sequence[memoryview], corrupt: bool = False, more: bool = False
+    ) -> None:
         """Checksum the body (``parts`` in order) and send it inline, zero-copy (``corrupt``:
         damage it after checksumming); on an encrypted link seal it instead (the tag is its
         check; ``corrupt`` damages the ciphertext)."""

@@ -481,6 +481,61 @@ def test_shm_writes_shared_destinations_directly_and_private_ones_through_the_ri
         rx.close()
 
 
+def _send_alone(tx, rid: str, data) -> None:
+    """Every row chunk written with nothing queued behind it (as a prefill's layers go out)."""
+    for t0, t1 in LAYOUT.chunks:
+        for layer in sorted(LAYOUT.mla_layers):
+            tx.send(rid, layer, Kind.MLA_ROWS, (t0, t1), data["mla", layer][t0:t1])
+            tx.flush()
+    send_states(tx, rid, data)
+
+
+def test_a_large_direct_chunk_is_written_and_verified_a_piece_at_a_time(monkeypatch):
+    """A row chunk over ``DIRECT_PIECE_BYTES`` with nothing queued behind it reaches the
+    receiver as several direct pieces, each verified on its own (pieces of 12 rows here: across
+    the scrambled pages, none page-aligned); one queued behind another goes whole; a damaged
+    piece fails the request naming its rows."""
+    from kvstore.transfer import shm
+
+    monkeypatch.setattr(shm, "DIRECT_PIECE_BYTES", 12 * LAYOUT.latent_dim * 4)
+    rx = _shm_rx()
+    try:
+        sink, expected = make_destination()
+        data = source(11)
+        row_chunks = len(LAYOUT.chunks) * len(LAYOUT.mla_layers)
+        for rid, alone in (("req-p", True), ("req-q", False)):
+            rx.expect(rid, sink, expected)
+            tx = connect(rx.address)
+            try:
+                if alone:
+                    _send_alone(tx, rid, data)
+                else:  # all queued at once: a data frame is behind every row chunk
+                    send_chunks(tx, rid, data, LAYOUT.chunks)
+                    send_states(tx, rid, data)
+                tx.finish(rid, LAYOUT.num_units)
+                frames_sent = tx.stats().frames_sent
+            finally:
+                tx.close()
+            result = rx.wait_complete(rid)
+            assert digest(received(sink)) == digest(data)
+            # 3 pieces per 32-row chunk: 2 more frames each for the receiver than the sender wrote
+            assert result.num_frames == frames_sent + 2 * (row_chunks if alone else 0)
+        rx.expect("req-bad", sink, expected)
+        tx = connect(rx.address, faults=FaultInjection(corrupt_seq=1))  # rows [0, 32) of the first layer
+        try:
+            with pytest.raises(TransferError, match="checksum mismatch"):
+                _send_alone(tx, "req-bad", data)
+                tx.finish("req-bad", LAYOUT.num_units)
+        finally:
+            tx.close()
+        pattern = r"checksum mismatch in MLA_ROWS request 'req-bad' seq 1 layer 3 tokens \[12, 24\).*directly"
+        with pytest.raises(TransferError, match=pattern):
+            rx.wait_complete("req-bad")
+    finally:
+        rx.check_integrity()
+        rx.close()
+
+
 def test_corrupted_direct_write_fails_the_request_and_the_pages_serve_the_next_one(spawn):
     rx = _shm_rx()
     try:
