@@ -27,7 +27,9 @@ them, what bounds the judge on a shared host:
 - ``host_cpu``: each window's busy and steal shares of the host's CPU time (``bench.host_cpu``:
   steal is what the hypervisor gave to other guests), and ``host_load_1m`` around the run.
 
-With ``--repeats K`` (or several ``--reuse`` directories) it judges each live run and then all
+Each fold is simulated ``--sim-seeds`` times (5), each run with its own seed for the drawn
+delays and prefill ratios, and a simulated figure is their median (``simulated_min_max``:
+their extremes). With ``--repeats K`` (or several ``--reuse`` directories) it judges each live run and then all
 of them: ``over_runs`` holds each fold's median, min and max error and how many runs met the
 goal. A single run's errors scatter with the host's drift between its two windows; their
 median says how far the simulator itself is off. ``--keep DIR`` keeps the calibration, the
@@ -36,7 +38,7 @@ against a kept live run, at its rate (no cluster, no calibration). Run it on a q
 the live cluster shares its cores with everything.
 
 Usage: python -m bench.fidelity [--quick] [--requests 160] [--rate-scale 0.2] [--repeats K]
-                                [--keep DIR | --reuse DIR [DIR ...]]
+                                [--sim-seeds 5] [--keep DIR | --reuse DIR [DIR ...]]
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ TRACE = SYNTHETIC_TRACE
 SECOND_WINDOW_START = 3840
 BLOCK, SNAPSHOT_EVERY, PREFILL_PAGES, DECODE_PAGES = 16, 2, 2048, 4096
 GOAL = 0.15
+SIM_SEEDS = 5  # simulations of each fold; a figure is their median
 SPEED_STEP = 0.1  # conditioning(): every prefill this much longer
 HOST_SPEED_MIN_TOKENS = 300  # host_speed(): shorter prefills are mostly the fixed cost and its jitter
 DEFAULT_REQUESTS = 160
@@ -180,10 +183,11 @@ def kept_live(work: Path) -> tuple[list[RequestRecord], dict | None]:
             json.loads(load_file.read_text()) if load_file.exists() else None)
 
 
-def run_sim(transform: TraceTransform, costs: CostModels, overheads: ClusterOverheads) -> list[RequestRecord]:
+def run_sim(transform: TraceTransform, costs: CostModels, overheads: ClusterOverheads,
+            seed: int = 0) -> list[RequestRecord]:
     prefill = PrefillConfig(block_size=BLOCK, snapshot_interval_blocks=SNAPSHOT_EVERY, num_pages=PREFILL_PAGES)
     config = SimConfig(1, 1, ConductorConfig(), prefill, DecodeConfig(block_size=BLOCK, num_pages=DECODE_PAGES),
-                       overheads=overheads)
+                       overheads=overheads, seed=seed)
     return list(simulate(apply_transform(read_trace(TRACE), transform, materialise=False), config, costs).records)
 
 
@@ -246,13 +250,21 @@ def figures(records: list[RequestRecord]) -> dict[str, float | int | None]:
             "rejected": s.counts.rejected}
 
 
-def compare(live: list[RequestRecord], sim: list[RequestRecord], window: range) -> dict:
-    a, b = figures([r for r in live if r.index in window]), figures([r for r in sim if r.index in window])
+def compare(live: list[RequestRecord], sims: list[list[RequestRecord]], window: range) -> dict:
+    """The window's live figures against the simulated ones: each the median over ``sims``
+    (runs with their own seeds: one run's draws of the delays and prefill ratios move a
+    window's TTFT p50 by 5% to 40% here), with their extremes."""
+    a = figures([r for r in live if r.index in window])
+    runs = [figures([r for r in sim if r.index in window]) for sim in sims]
     out = {}
     for k in a:
-        ratio = b[k] / a[k] if a[k] and b[k] is not None else None
-        out[k] = {"live": a[k], "simulated": b[k], "ratio": ratio,
+        values = [run[k] for run in runs if run[k] is not None]
+        b = statistics.median(values) if len(values) == len(runs) else None
+        ratio = b / a[k] if a[k] and b is not None else None
+        out[k] = {"live": a[k], "simulated": b, "ratio": ratio,
                   "relative_error": None if ratio is None else ratio - 1}
+        if len(runs) > 1 and b is not None:
+            out[k]["simulated_min_max"] = [min(values), max(values)]
     out["within_goal"] = all(out[k]["relative_error"] is not None and abs(out[k]["relative_error"]) <= GOAL
                              for k in GOAL_METRICS)
     return out
@@ -272,24 +284,24 @@ def judge(work: Path, args: argparse.Namespace, reuse: bool) -> dict:
     costs = load_models(calibration)
     log("fitting and simulating")
     windows = {"first": first, "second": second}
-    baseline = run_sim(transform, costs, NO_OVERHEADS)
+    baseline = run_sim(transform, costs, NO_OVERHEADS)  # draws nothing: one run is all of it
     fits = {name: fit_overheads([r for r in live if r.index in w], costs,
                                 source=f"replay.sim.fit on the live records of requests {w.start}..{w.stop} only")
             for name, w in windows.items()}
     folds = {}
     for fit_name, check_name in (("first", "second"), ("second", "first")):
         fit_window, check_window, fit = windows[fit_name], windows[check_name], fits[fit_name]
-        sim = run_sim(transform, costs, fit.overheads)
+        sims = [run_sim(transform, costs, fit.overheads, seed) for seed in range(args.sim_seeds)]
         if args.keep and fit_name == "first":
-            write_report(work / "sim", sim, summarize(sim), plots=False)
+            write_report(work / "sim", sims[0], summarize(sims[0]), plots=False)
             fit.overheads.save(work / "overheads.json")
         folds[f"fit_on_{fit_name}"] = {
             "fit": fit.describe(),
             "validation": {"window": f"requests {check_window.start}..{check_window.stop}",
-                           **compare(live, sim, check_window),
-                           "conditioning": conditioning(transform, costs, fit.overheads, sim, check_window)},
+                           **compare(live, sims, check_window),
+                           "conditioning": conditioning(transform, costs, fit.overheads, sims[0], check_window)},
             "fit_window": {"window": f"requests {fit_window.start}..{fit_window.stop}",
-                           **compare(live, sim, fit_window)},
+                           **compare(live, sims, fit_window)},
         }
     return {
         "trace": f"{TRACE.name} requests {first.start}..{second.stop} in one live run, rate x{rate_scale}, "
@@ -305,7 +317,8 @@ def judge(work: Path, args: argparse.Namespace, reuse: bool) -> dict:
         "host_speed": host_speed(live, costs, windows),
         "host_cpu": host_cpu_by_window(work, live, windows),
         "host_load_1m": load,
-        "calibrated_engine_only": {name: compare(live, baseline, w) for name, w in windows.items()},
+        "calibrated_engine_only": {name: compare(live, [baseline], w) for name, w in windows.items()},
+        "sim_seeds": args.sim_seeds,
         "goal_abs_relative_error": GOAL, "reports": str(work) if args.keep or reuse else None,
     }
 
@@ -342,9 +355,13 @@ def main() -> None:
                    "judged each and together (default 1)")
     p.add_argument("--keep", default="", help="keep the calibration and the reports here (run-1, run-2, ... "
                    "with --repeats)")
+    p.add_argument("--sim-seeds", type=int, default=SIM_SEEDS, help="simulations of each fold, each with its own "
+                   f"seed; a simulated figure is their median (default {SIM_SEEDS})")
     p.add_argument("--reuse", nargs="+", default=[], metavar="DIR",
                    help="--keep directories: simulate against their live runs again (no cluster)")
     args = p.parse_args()
+    if args.sim_seeds < 1:
+        p.error(f"--sim-seeds must be >= 1, got {args.sim_seeds}")
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.reuse:

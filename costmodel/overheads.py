@@ -12,8 +12,9 @@ the live Conductor does. Where each term lies in a request's life::
     worker time: prefill_coefficients (the calibration's formula, refitted on the live
       worker: the KV push, the decode worker's verdict, the store, the cores it shares), plus
       reuse_load_s_per_token for each reused token copied into pages rather than reused in
-      place; at its start the worker pushes its reused rows to the decode worker, whose loop
-      pauses decode_stall_s_per_reused_token per row;
+      place, the two times a ratio drawn from prefill_ratio_quantiles (the live prefills'
+      spread around the fit, mean 1); at its start the worker pushes its reused rows to the
+      decode worker, whose loop pauses decode_stall_s_per_reused_token per row;
     first_token_delay_s: the Prefill response, the Conductor and the client's stream;
     decode join: a delay drawn from decode_join_quantiles_s (the Decode RPC, the KV
       verified, a step boundary);
@@ -55,7 +56,7 @@ FORMAT_NAME = "tidekv-overheads"
 FORMAT_VERSION = 1
 _SECONDS = ("dispatch_s", "reuse_load_s_per_token", "first_token_delay_s", "decode_stall_s_per_reused_token",
             "decode_stall_s_per_prefill", "decode_stall_s_per_arrival")
-_QUANTILES = ("decode_join_quantiles_s", "delivery_delay_quantiles_s")
+_QUANTILES = ("decode_join_quantiles_s", "delivery_delay_quantiles_s", "prefill_ratio_quantiles")
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ class ClusterOverheads:
     at the client.
     ``decode_join_quantiles_s``, ``delivery_delay_quantiles_s``: those delays' quantiles at
     evenly spaced probabilities ``(i + 0.5) / len`` (``quantile``; empty: no delay; one value:
-    always that delay). ``source``: how the values were obtained (a fit names
+    always that delay); ``prefill_ratio_quantiles``: the same of a prefill's live time over
+    ``worker_prefill_s`` (empty: always 1). ``source``: how the values were obtained (a fit names
     the report and the requests it used); ``num_fit_requests``: how many."""
 
     dispatch_s: float = 0.0
@@ -82,6 +84,7 @@ class ClusterOverheads:
     decode_stall_s_per_prefill: float = 0.0
     decode_stall_s_per_arrival: float = 0.0
     delivery_delay_quantiles_s: tuple[float, ...] = ()
+    prefill_ratio_quantiles: tuple[float, ...] = ()
     source: str = "none"
     num_fit_requests: int = 0
 
@@ -114,6 +117,11 @@ class ClusterOverheads:
         """A prefill's time on the live worker; ``live`` is ``live_prefill(costs)``, made once
         by the caller. ``num_loaded`` of the reused tokens were copied in, not reused in place."""
         return live.prefill_s(num_new, num_reused) + self.reuse_load_s_per_token * num_loaded
+
+    def prefill_ratio(self, u: float) -> float:
+        """The live worker's time over ``worker_prefill_s`` at probability ``u`` in [0, 1)
+        (``quantile``; 1 when none is known)."""
+        return quantile(self.prefill_ratio_quantiles, u) if self.prefill_ratio_quantiles else 1.0
 
     def decode_step_s(self, calibrated_s: float) -> float:
         return self.decode_step_scale * calibrated_s

@@ -20,7 +20,10 @@ prompt and cached tokens, workers), with the calibration for the decode step:
   cached window would otherwise decide. The n*p and n*n terms are fitted only with at least
   ``MIN_LONG_PREFILLS`` prefills of ``LONG_PREFILL_TOKENS`` new tokens or more, else they
   stay 0: a mostly cached window holds a handful, and the host's drift on those would set
-  the curvature. Before the fit the worst prefill is dropped while it is off by more than a
+  the curvature. The kept prefills' live over fitted times, scaled to a mean of 1, give
+  ``prefill_ratio_quantiles``: the simulator draws each prefill's time around the fit's with
+  the live spread (without it, a window of many alike prefills has one simulated TTFT, and
+  its p50 jumps with the coefficients). Before the fit the worst prefill is dropped while it is off by more than a
   factor of two (at most a tenth of them): two gaps of responses that came back out of
   order are one far too short and one far too long. ``first_token_delay_s`` is the median
   of TTFT less the dispatch and the worker's time over the prefills that found their
@@ -152,8 +155,9 @@ def _plain_nnls(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     return nnls(features / scale, seconds) / scale
 
 
-def _fit_prefill(observations: list[tuple[int, int, int, float]]) -> tuple[tuple[float, ...], float]:
-    """(the prefill coefficients, ``reuse_load_s_per_token``)."""
+def _fit_prefill(observations: list[tuple[int, int, int, float]]) -> tuple[tuple[float, ...], float, list[float]]:
+    """(the prefill coefficients, ``reuse_load_s_per_token``, the kept prefills' live over
+    fitted times scaled to a mean of 1: ``prefill_ratio_quantiles``'s sample)."""
     if len(observations) < MIN_PREFILLS:
         raise ValueError(f"{len(observations)} timed prefills in the records; the fit needs at least "
                          f"{MIN_PREFILLS} (replay a longer window)")
@@ -176,8 +180,13 @@ def _fit_prefill(observations: list[tuple[int, int, int, float]]) -> tuple[tuple
         keep[worst] = False
     # Absolute errors, not relative: a queue drains at the sum of its prefills' times, so a
     # 1.5 s prefill 20% off costs every request behind it 0.3 s, a 40 ms one 8 ms.
-    *coefs, load_s_per_token = (float(c) for c in _plain_nnls(features[keep], seconds[keep]))
-    return tuple(coefs), load_s_per_token
+    fitted = _plain_nnls(features[keep], seconds[keep])
+    *coefs, load_s_per_token = (float(c) for c in fitted)
+    # Each kept prefill's live time over the fit's, scaled to a mean of 1: the simulator draws
+    # a prefill's time from them, its expectation the fit's and its spread the live one's.
+    ratios = seconds[keep] / np.maximum(features[keep] @ fitted, 1e-9)
+    ratios /= ratios.mean()
+    return tuple(coefs), load_s_per_token, [float(r) for r in ratios]
 
 
 class _Timelines:
@@ -323,7 +332,7 @@ def fit_overheads(records: Sequence[RequestRecord], costs: CostModels, source: s
     finished = [r for r in records if r.outcome == FINISHED]
     queues = [r.queue_s for r in finished if r.queue_s is not None]
     observations = prefill_observations(records)
-    prefill, load_s_per_token = _fit_prefill(observations)
+    prefill, load_s_per_token, ratios = _fit_prefill(observations)
     lines = _Timelines(records, costs)
     scale, stalls, joins, delays = _fit_decode(lines) if lines.requests else (1.0, {}, [], [])
     probs = [100 * (i + 0.5) / num_quantiles for i in range(num_quantiles)]
@@ -335,7 +344,8 @@ def fit_overheads(records: Sequence[RequestRecord], costs: CostModels, source: s
         dispatch_s=statistics.median(queues) if queues else 0.0, prefill_coefficients=prefill,
         reuse_load_s_per_token=load_s_per_token, first_token_delay_s=_first_token_delay_s(records),
         decode_join_quantiles_s=quantiles(joins), decode_step_scale=scale, **stalls,
-        delivery_delay_quantiles_s=quantiles(delays), source=source, num_fit_requests=len(finished))
+        delivery_delay_quantiles_s=quantiles(delays), prefill_ratio_quantiles=quantiles(ratios), source=source,
+        num_fit_requests=len(finished))
     return OverheadFit(overheads, len(observations), len(lines.requests), len(delays))
 
 

@@ -9,7 +9,9 @@ then takes ``pull_s`` (when it pulled), ``prefill_s(new, reused)`` of the live w
 (``ClusterOverheads.live_prefill``: the calibration's by default) and
 ``reuse_load_s_per_token`` for each reused token it copied into pages rather than reused in
 place (pulled, or found below the top tier: the live worker reuses only the leading run of
-device-tier blocks in place), and stores every new full block, with snapshots at the
+device-tier blocks in place), those two times a ratio drawn from the worker's seeded
+generator (``ClusterOverheads.prefill_ratio_quantiles``; none by default), and stores every
+new full block, with snapshots at the
 snapshot points. That whole time is the job's ``worker_s``, what a live worker reports in its
 Prefill response. ``on_start(job)`` is called once the job's reuse is known, when a live
 worker pushes the reused rows to the decode worker.
@@ -17,6 +19,7 @@ worker pushes the reused rows to the decode worker.
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,11 +61,13 @@ class SimPrefill:
     def __init__(self, worker_id: str, config: PrefillConfig, costs: CostModels, index: ClusterState,
                  loop: EventLoop, peers: dict[str, SimPrefill], on_done: Callable[[SimPrefillJob], None],
                  backend: str = "tcp", overheads: ClusterOverheads = NO_OVERHEADS,
-                 on_start: Callable[[SimPrefillJob], None] = lambda job: None):
+                 on_start: Callable[[SimPrefillJob], None] = lambda job: None, seed: int = 0):
         self.worker_id, self.config, self.costs, self.index, self.loop = worker_id, config, costs, index, loop
         self.peers, self.on_done, self.on_start, self.backend = peers, on_done, on_start, backend
         self.overheads = overheads
         self.live_costs = overheads.live_prefill(costs)  # the worker's own time; costs stays for pulls and sizes
+        self._draw_ratios = len(overheads.prefill_ratio_quantiles) > 1  # else none or a constant
+        self._rng = random.Random(f"{seed}/prefill/{worker_id}")  # drawn in start order: deterministic
         self.block_size = config.block_size
         # The calibrated model's state size is its cache layout's: none (all attention) means every
         # block carries its empty snapshot, as on a live worker.
@@ -124,6 +129,7 @@ class SimPrefill:
         pull_s = self._reuse(job)
         n, reused = job.num_prompt_tokens, job.num_reused_tokens
         single_s = self.overheads.worker_prefill_s(self.live_costs, n - reused, reused, job.num_loaded_tokens)
+        single_s *= self.overheads.prefill_ratio(self._rng.random() if self._draw_ratios else 0.0)
         job.worker_s = pull_s + self._stages_s(single_s, n - reused, job.cpp_chunk_tokens)
         self.num_busy_s += job.worker_s
         self.on_start(job)

@@ -56,7 +56,7 @@ class SimConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     load_sample_interval_s: float = 1.0  # how often the load series (stats["load"]) is sampled
     overheads: ClusterOverheads = field(default_factory=ClusterOverheads)  # what the live cluster adds
-    seed: int = 0  # of the delivery delays (used only when overheads has them)
+    seed: int = 0  # of the delivery delays, joins and prefill ratios (used only when overheads has them)
 
     def __post_init__(self) -> None:
         if self.load_sample_interval_s <= 0:
@@ -114,7 +114,7 @@ class Simulation:
         for i in range(self.config.num_prefill):
             w = SimPrefill(f"prefill-{i}", self.config.prefill, costs, self.cluster.index, self.loop, peers,
                            self._prefill_done, self.config.prefill.transfer_backend, self.config.overheads,
-                           self._prefill_started)
+                           self._prefill_started, self.config.seed)
             peers[w.worker_id] = w
             self.cluster.add(w)
         for i in range(self.config.num_decode):

@@ -46,7 +46,9 @@ def run(scaled: ScaledTrace, overheads: ClusterOverheads = NO_OVERHEADS, **kw) -
 
 def test_overheads_validate_interpolate_and_round_trip(tmp_path) -> None:
     o = ClusterOverheads(dispatch_s=0.002, prefill_coefficients=(0.01, 2e-3, 0.0, 0.0, 1e-5),
-                         delivery_delay_quantiles_s=(0.0, 0.002, 0.004, 0.010), source="hand-set")
+                         delivery_delay_quantiles_s=(0.0, 0.002, 0.004, 0.010), prefill_ratio_quantiles=(0.8, 1.2),
+                         source="hand-set")
+    assert o.prefill_ratio(0.5) == pytest.approx(1.0) and ClusterOverheads().prefill_ratio(0.9) == 1.0
     # quantile i sits at probability (i + 0.5) / 4: 0.125, 0.375, 0.625, 0.875
     assert o.delivery_delay_s(0.0) == 0.0 and o.delivery_delay_s(0.99) == 0.010
     assert o.delivery_delay_s(0.375) == pytest.approx(0.002)
@@ -257,6 +259,25 @@ def test_reuse_copied_into_pages_costs_its_own_term_and_the_fit_recovers_it() ->
     assert got.reuse_load_s_per_token == pytest.approx(3e-4, rel=1e-6)
     assert got.prefill_coefficients == pytest.approx(truth.prefill_coefficients, rel=1e-6, abs=1e-12)
     assert got.first_token_delay_s == pytest.approx(0.004)
+
+
+def test_prefill_times_are_drawn_around_the_fit_with_the_live_spread() -> None:
+    # 40 cold prefills of 3..9 blocks, 0.5 s apart (the worker idle before each).
+    requests = [(0.5 * i, 16 * (3 + i % 7) + 3, 2, ids(3 + i % 7, start=100 * (i + 1))) for i in range(40)]
+    plain = ClusterOverheads(prefill_coefficients=(0.01, 1e-3, 0.0, 0.0, 0.0))
+    noisy = dataclasses.replace(plain, prefill_ratio_quantiles=(0.5, 0.8, 1.0, 1.2, 2.5))
+    exact = {r.index: r.prefill_worker_s for r in run(trace(*requests), plain)}
+    drawn = run(trace(*requests), noisy)
+    ratios = [r.prefill_worker_s / exact[r.index] for r in drawn]
+    assert min(ratios) >= 0.5 - 1e-9 and max(ratios) <= 2.5 + 1e-9 and len({round(x, 6) for x in ratios}) > 30
+    assert [r.prefill_worker_s for r in run(trace(*requests), noisy)] == [r.prefill_worker_s for r in drawn]
+    assert [r.prefill_worker_s for r in run(trace(*requests), noisy, seed=1)] != [r.prefill_worker_s for r in drawn]
+    # The fit finds the formula again and the ratios' spread around it, at a mean of 1.
+    got = fit_overheads(drawn, COSTS).overheads
+    q = got.prefill_ratio_quantiles
+    assert len(q) == 20 and np.mean(q) == pytest.approx(1.0, abs=0.05) and q[0] < 0.7 and q[-1] > 1.5
+    exact_fit = fit_overheads(run(trace(*requests), plain), COSTS).overheads
+    assert exact_fit.prefill_ratio_quantiles == pytest.approx((1.0,) * 20)
 
 
 @pytest.mark.parametrize("num_long", [9, 10])
