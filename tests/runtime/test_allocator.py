@@ -54,7 +54,9 @@ def test_a_kept_heap_stops_faulting_a_prefills_temporaries():
     if not keep_heap():
         pytest.skip("not glibc")
     default, kept = faults_per_prefill("default"), faults_per_prefill("keep")
-    # after the first prefill has grown the heap, a kept one faults in a small fraction of
-    # what glibc's defaults fault in again on every prefill
-    assert min(default[1:]) > 1000, default
-    assert max(kept[1:]) * 5 < min(default[1:]), (kept, default)
+    # After the first prefill has grown the heap, the later ones fault a small fraction of what
+    # glibc's defaults fault in again. Summed over them: with the defaults, glibc's dynamic
+    # mmap threshold can spare one prefill (here [1050, 285, 9425] on one machine, thousands
+    # each on another) but not the next.
+    assert sum(default[1:]) > 2000, default
+    assert sum(kept[1:]) * 5 < sum(default[1:]), (kept, default)
