@@ -10,6 +10,10 @@ shm ring slot or a ucx staging buffer, lands in its destination: ``wire.land``):
     body   [ block 0 | block 1 | ... ]            crc = checksum(block, crc); copy block -> segment
     dest   segment 0 (region a, offset x) | segment 1 (region a, offset y) | ...
 
+``pieces`` cuts a large row chunk into consecutive row ranges of about ``DIRECT_PIECE_BYTES``
+(each announced with its own header and checksum, so the receiver checks one while the next is
+copied) and ``byte_range`` takes a piece's bytes out of the body's parts or segments.
+
 I/O loop thread only; no locks.
 """
 
@@ -21,10 +25,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvstore.transfer.frames import ChecksumAlgo, FrameError, checksum
+from kvstore.transfer.frames import ChecksumAlgo, FrameError, FrameHeader, Kind, checksum
 from kvstore.transfer.placement import Region, Segment
 
 COPY_BLOCK_BYTES = 512 << 10  # half of L2: the copy reads what the checksum just read (measured best of 128 KiB-2 MiB)
+DIRECT_PIECE_BYTES = 2 << 20  # a larger row chunk may be copied and announced in pieces of about this
 
 
 class PeerRegions:
@@ -108,3 +113,41 @@ def checksum_of(algo: ChecksumAlgo, views: list[memoryview]) -> int:
     for view in views:
         crc = checksum(algo, view, crc, hold_gil=view.nbytes <= COPY_BLOCK_BYTES)
     return crc
+
+
+def pieces(header: FrameHeader) -> list[FrameHeader]:
+    """A row chunk of more than ``DIRECT_PIECE_BYTES`` as headers of consecutive row ranges of
+    about that size (``aux``: the piece's byte offset in the body); any other chunk as itself."""
+    rows = header.token_end - header.token_start
+    if header.kind != Kind.MLA_ROWS or header.body_bytes <= DIRECT_PIECE_BYTES or rows < 2:
+        return [header]
+    row_bytes = header.body_bytes // rows
+    step = max(1, DIRECT_PIECE_BYTES // row_bytes)
+    return [
+        header._replace(
+            token_start=header.token_start + start,
+            token_end=header.token_start + min(rows, start + step),
+            shape=(min(rows, start + step) - start, *header.shape[1:]),
+            body_bytes=(min(rows, start + step) - start) * row_bytes,
+            aux=start * row_bytes,
+        )
+        for start in range(0, rows, step)
+    ]
+
+
+def byte_range(parts: Sequence, start: int, nbytes: int) -> list:
+    """Bytes [start, start + nbytes) of a body given as ``parts`` in order: memoryviews (views
+    of them) or segments ``(region, offset, nbytes)`` (segments of them)."""
+    out = []
+    for part in parts:
+        size = part[2] if isinstance(part, tuple) else part.nbytes
+        if start >= size:
+            start -= size
+            continue
+        take = min(size - start, nbytes)
+        out.append((part[0], part[1] + start, take) if isinstance(part, tuple) else part[start : start + take])
+        nbytes -= take
+        start = 0
+        if not nbytes:
+            break
+    return out

@@ -6,7 +6,7 @@ first time a request appears on a connection the sender asks for its placement (
 receiver answers with the byte ranges of its pages and state tensors (PLACE, ``placement``),
 and from then on the sender copies each body into those ranges, checksumming every block as
 it copies it (``direct``), and sends a FLAG_DIRECT header. A row chunk of more than
-``DIRECT_PIECE_BYTES`` with no other data frame queued behind it goes a piece of rows at a
+``direct.DIRECT_PIECE_BYTES`` with no other data frame queued behind it goes a piece of rows at a
 time, each piece's header written as soon as it is in place, so the receiver's check overlaps
 the rest of the copy. The receiver checksums
 the bytes in place before it counts the chunk; a failure fails the request, whose memory is not reused
@@ -40,6 +40,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
+from kvstore.transfer import direct
 from kvstore.transfer.auth import connection_factory, prove_to
 from kvstore.transfer.base import Address, Frame, LinkClosed, RecvLink, TransferConfig, TransferError
 from kvstore.transfer.direct import PeerRegions, copy_with_checksum
@@ -56,7 +57,6 @@ _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 FLUSH_BYTES = 1 << 20  # batch headers until this many body bytes (or FLUSH_FRAMES frames) wait
 FLUSH_FRAMES = 64
 MAX_PLACEMENTS = 4096
-DIRECT_PIECE_BYTES = 2 << 20  # a larger row chunk is copied and announced in pieces of about this
 _UNASKED = object()
 _REVOKED = object()
 
@@ -95,7 +95,7 @@ class ShmSendLink(StreamSendLink):
         """Copy the body into its placement and queue its header; False if it has no place there.
 
         With no other data frame queued (``more``), a large row chunk is copied a piece of rows
-        at a time (``DIRECT_PIECE_BYTES``), each piece's header written as soon as it is in
+        at a time (``direct.pieces``), each piece's header written as soon as it is in
         place, so the receiver verifies piece k on its core while this one copies piece k + 1;
         the last piece's check is all that remains after the copy. (With a frame queued behind
         it, the receiver checks this one while the next is copied: pieces would only add
@@ -107,20 +107,20 @@ class ShmSendLink(StreamSendLink):
         # Checked on every frame: once our transport is closing nothing may be written any more.
         if self.conn.closed.is_set() or self.conn.transport.is_closing():
             raise ConnectionError(self.conn.closed_reason or "connection is closing")
-        pieces = [header] if more else _pieces(header)
+        pieces = [header] if more else direct.pieces(header)
         if len(pieces) > 1 and self._batch:
             self._write_batch()  # the headers of earlier frames go first
         for index, piece in enumerate(pieces):
             try:
-                piece_segments = segments if piece is header else _byte_range(segments, piece.aux, piece.body_bytes)
-                targets = self._regions.targets(placement.regions, piece_segments)
+                at = segments if piece is header else direct.byte_range(segments, piece.aux, piece.body_bytes)
+                targets = self._regions.targets(placement.regions, at)
             except FrameError as exc:  # the receiver's memory cannot be mapped here
                 if index:  # pieces already announced: the receiver fails the rest as missing
                     raise ConnectionError(f"direct write failed midway: {exc}") from exc
                 logger.warning("request %r: direct write impossible (%s); using the ring", header.request_id, exc)
                 self._placements[header.request_id] = None
                 return False
-            body = parts if piece is header else _byte_range(parts, piece.aux, piece.body_bytes)
+            body = parts if piece is header else direct.byte_range(parts, piece.aux, piece.body_bytes)
             crc = copy_with_checksum(header.checksum_algo, body, targets)
             if corrupt and index == len(pieces) // 2:  # fault injection: damage it after checksumming
                 _flip_middle_byte(targets, piece.body_bytes)
@@ -248,44 +248,6 @@ class ShmSendLink(StreamSendLink):
         self.ring.unlink()
         super().close()  # the transport is closing from here on: no direct write starts again
         self._regions.close()
-
-
-def _pieces(header: FrameHeader) -> list[FrameHeader]:
-    """A row chunk of more than ``DIRECT_PIECE_BYTES`` as headers of consecutive row ranges of
-    about that size (``aux``: the piece's byte offset in the body); any other chunk as itself."""
-    rows = header.token_end - header.token_start
-    if header.kind != Kind.MLA_ROWS or header.body_bytes <= DIRECT_PIECE_BYTES or rows < 2:
-        return [header]
-    row_bytes = header.body_bytes // rows
-    step = max(1, DIRECT_PIECE_BYTES // row_bytes)
-    return [
-        header._replace(
-            token_start=header.token_start + start,
-            token_end=header.token_start + min(rows, start + step),
-            shape=(min(rows, start + step) - start, *header.shape[1:]),
-            body_bytes=(min(rows, start + step) - start) * row_bytes,
-            aux=start * row_bytes,
-        )
-        for start in range(0, rows, step)
-    ]
-
-
-def _byte_range(parts: Sequence, start: int, nbytes: int) -> list:
-    """Bytes [start, start + nbytes) of a body given as ``parts`` in order: memoryviews (views
-    of them) or segments ``(region, offset, nbytes)`` (segments of them)."""
-    out = []
-    for part in parts:
-        size = part[2] if isinstance(part, tuple) else part.nbytes
-        if start >= size:
-            start -= size
-            continue
-        take = min(size - start, nbytes)
-        out.append((part[0], part[1] + start, take) if isinstance(part, tuple) else part[start : start + take])
-        nbytes -= take
-        start = 0
-        if not nbytes:
-            break
-    return out
 
 
 def _flip_middle_byte(targets: list[np.ndarray], nbytes: int) -> None:

@@ -495,9 +495,9 @@ def test_a_large_direct_chunk_is_written_and_verified_a_piece_at_a_time(monkeypa
     receiver as several direct pieces, each verified on its own (pieces of 12 rows here: across
     the scrambled pages, none page-aligned); one queued behind another goes whole; a damaged
     piece fails the request naming its rows."""
-    from kvstore.transfer import shm
+    from kvstore.transfer import direct
 
-    monkeypatch.setattr(shm, "DIRECT_PIECE_BYTES", 12 * LAYOUT.latent_dim * 4)
+    monkeypatch.setattr(direct, "DIRECT_PIECE_BYTES", 12 * LAYOUT.latent_dim * 4)
     rx = _shm_rx()
     try:
         sink, expected = make_destination()
