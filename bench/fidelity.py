@@ -29,10 +29,10 @@ them, what bounds the judge on a shared host:
 
 Each fold is simulated ``--sim-seeds`` times (5), each run with its own seed for the drawn
 delays and prefill ratios, and a simulated figure is their median (``simulated_min_max``:
-their extremes). With ``--repeats K`` (or several ``--reuse`` directories) it judges each live run and then all
-of them: ``over_runs`` holds each fold's median, min and max error and how many runs met the
-goal. A single run's errors scatter with the host's drift between its two windows; their
-median says how far the simulator itself is off. ``--keep DIR`` keeps the calibration, the
+their extremes). With ``--repeats K`` (or several ``--reuse`` directories) it judges each
+live run and then all of them: ``over_runs`` holds each fold's median, min and max error and
+how many runs met the goal. A single run's errors scatter with the host's drift between its
+two windows; their median says how far the simulator itself is off. ``--keep DIR`` keeps the calibration, the
 reports, the load, the CPU samples and the run's parameters; ``--reuse DIR`` simulates again
 against a kept live run, at its rate (no cluster, no calibration). Run it on a quiet machine:
 the live cluster shares its cores with everything.

@@ -6,11 +6,11 @@ first time a request appears on a connection the sender asks for its placement (
 receiver answers with the byte ranges of its pages and state tensors (PLACE, ``placement``),
 and from then on the sender copies each body into those ranges, checksumming every block as
 it copies it (``direct``), and sends a FLAG_DIRECT header. A row chunk of more than
-``direct.DIRECT_PIECE_BYTES`` with no other data frame queued behind it goes a piece of rows at a
-time, each piece's header written as soon as it is in place, so the receiver's check overlaps
-the rest of the copy. The receiver checksums
-the bytes in place before it counts the chunk; a failure fails the request, whose memory is not reused
-until the sender has confirmed (REVOKED, in answer to the ERROR) that it writes no more.
+``direct.DIRECT_PIECE_BYTES`` with no other data frame queued behind it goes a piece of rows
+at a time, each piece's header written as soon as it is in place, so the receiver's check
+overlaps the rest of the copy. The receiver checksums the bytes in place before it counts the
+chunk; a failure fails the request, whose memory is not reused until the sender has confirmed
+(REVOKED, in answer to the ERROR) that it writes no more.
 Headers of small frames are batched into one write per ``FLUSH_BYTES`` of bodies.
 
 The ring (no placement: private destination memory, a blob, another user's peer): per
@@ -94,9 +94,9 @@ class ShmSendLink(StreamSendLink):
     ) -> bool:
         """Copy the body into its placement and queue its header; False if it has no place there.
 
-        With no other data frame queued (``more``), a large row chunk is copied a piece of rows
-        at a time (``direct.pieces``), each piece's header written as soon as it is in
-        place, so the receiver verifies piece k on its core while this one copies piece k + 1;
+        With no other data frame queued behind it (``more`` False), a large row chunk is copied a
+        piece of rows at a time (``direct.pieces``), each piece's header written as soon as it
+        is in place, so the receiver verifies piece k on its core while this one copies piece k + 1;
         the last piece's check is all that remains after the copy. (With a frame queued behind
         it, the receiver checks this one while the next is copied: pieces would only add
         wakeups.) Every piece is a chunk of its own to the receiver (own token range and

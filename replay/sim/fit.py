@@ -23,9 +23,9 @@ prompt and cached tokens, workers), with the calibration for the decode step:
   the curvature. The kept prefills' live over fitted times, scaled to a mean of 1, give
   ``prefill_ratio_quantiles``: the simulator draws each prefill's time around the fit's with
   the live spread (without it, a window of many alike prefills has one simulated TTFT, and
-  its p50 jumps with the coefficients). Before the fit the worst prefill is dropped while it is off by more than a
-  factor of two (at most a tenth of them): two gaps of responses that came back out of
-  order are one far too short and one far too long. ``first_token_delay_s`` is the median
+  its p50 jumps with the coefficients). Before the fit the worst prefill is dropped while it
+  is off by more than a factor of two (at most a tenth of them): two gaps of responses that
+  came back out of order are one far too short and one far too long. ``first_token_delay_s`` is the median
   of TTFT less the dispatch and the worker's time over the prefills that found their
   worker idle.
 - decode: a request is in its decode worker's batch from about one step before its second

@@ -11,10 +11,9 @@ then takes ``pull_s`` (when it pulled), ``prefill_s(new, reused)`` of the live w
 place (pulled, or found below the top tier: the live worker reuses only the leading run of
 device-tier blocks in place), those two times a ratio drawn from the worker's seeded
 generator (``ClusterOverheads.prefill_ratio_quantiles``; none by default), and stores every
-new full block, with snapshots at the
-snapshot points. That whole time is the job's ``worker_s``, what a live worker reports in its
-Prefill response. ``on_start(job)`` is called once the job's reuse is known, when a live
-worker pushes the reused rows to the decode worker.
+new full block, with snapshots at the snapshot points. That whole time is the job's
+``worker_s``, what a live worker reports in its Prefill response. ``on_start(job)`` is called
+once the job's reuse is known, when a live worker pushes the reused rows to the decode worker.
 """
 
 from __future__ import annotations
