@@ -9,6 +9,7 @@ SLO. The formulas and the admission modes: docs/architecture.md, "The Mooncake s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 from conductor.cpp import unit_prefill_s
@@ -68,22 +69,39 @@ def worker_prefill_s(worker: WorkerView, calibrated_s: float) -> float:
 
 def queue_s(worker: WorkerView, costs: CostModels) -> float:
     """Predicted seconds until ``worker`` can start a new prefill (its jobs run one at a time),
-    at the worker's pace (``worker_prefill_s``)."""
-    return sum(max(0.0, worker_prefill_s(worker, unit_prefill_s(costs, worker, j.num_new_tokens, j.num_reused_tokens))
-                   - j.elapsed_s) for j in worker.prefill_jobs)
+    at the worker's pace (``worker_prefill_s``, written out: this runs for every busy worker
+    of every decision)."""
+    slowdown, handoff_s, total = worker.slowdown, worker.handoff_s, 0
+    for j in worker.prefill_jobs:
+        total += max(0.0, unit_prefill_s(costs, worker, j.num_new_tokens, j.num_reused_tokens) * slowdown + handoff_s
+                     - j.elapsed_s)
+    return total
 
 
 def num_holders(snapshot: ClusterSnapshot, request: RouteRequest, num_blocks: int) -> int:
-    """Prefill workers that can reuse at least ``num_blocks`` leading blocks of the request."""
-    return sum(capped_usable(w, request) >= num_blocks for w in snapshot.prefill)
+    """Prefill workers that can reuse at least ``num_blocks`` (> 0) leading blocks of the request."""
+    assert num_blocks > 0, num_blocks
+    return sum(capped_usable(w, request) >= num_blocks for w in snapshot.prefill if w.usable_blocks)
 
 
-def prefill_options(snapshot: ClusterSnapshot, request: RouteRequest, costs: CostModels,
-                    config) -> list[PrefillOption]:
-    """Every (worker, local or pull) option of Algorithm 1, in snapshot order. What every
-    worker's pull shares (the prefix, its prefill time before the worker's speed factor, its
-    transfer time per backend) is predicted once, and so are a plain worker's prefill and its
-    own reuse plan of each reuse depth (most workers reuse nothing)."""
+# One option as a row: the argmin's key (TTFT, then the shorter queue, then id, local before
+# pull; a worker's two options differ in the last, so rows never compare further), then the
+# rest of its ``PrefillOption``. A decision weighs up to two per prefill worker; rows are plain
+# tuples, compared by ``min`` in C, and only the chosen one becomes a ``PrefillOption``.
+OptionRow = tuple[float, float, str, bool, WorkerView, ReusePlan, RouteBranch, float, float]
+
+
+def _option(row: OptionRow) -> PrefillOption:
+    _, wait, _, _, worker, plan, branch, transfer_s, prefill_s = row
+    return PrefillOption(worker, plan, branch, wait, transfer_s, prefill_s)
+
+
+def _option_rows(snapshot: ClusterSnapshot, request: RouteRequest, costs: CostModels, config) -> list[OptionRow]:
+    """Every (worker, local or pull) option of Algorithm 1 as a row (``OptionRow``), in
+    snapshot order. What every worker's pull shares (the prefix, its prefill time before the
+    worker's speed factor, its transfer time per backend) is predicted once, and so are a plain
+    worker's prefill and its own reuse plan of each reuse depth (most workers reuse nothing).
+    A row's times are ``PrefillOption``'s, summed in its order."""
     n, bs = request.num_prompt_tokens, request.block_size
     cap = max_reuse_blocks(request)
     best = best_holder(snapshot.prefill, request)
@@ -96,62 +114,92 @@ def prefill_options(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cos
         pull_prefill_s = costs.prefill_s(n - best_blocks * bs, best_blocks * bs)
         pull_tier = best.usable_tier if best.usable_tier is not None else Tier.DRAM
         pull_s_of: dict[str, float] = {}  # by the puller's transfer backend
-    options = []
+    rows: list[OptionRow] = []
     single_s: dict[int, float] = {}  # a plain worker's prefill by reuse depth: unit_prefill_s's for cpp_stages 1
     own_plans: dict[int, ReusePlan] = {}  # one frozen plan per reuse depth, shared by the workers at it
+    local_branch, cold_branch, pull_branch = RouteBranch.LOCAL, RouteBranch.COLD, RouteBranch.PULL
     for w in snapshot.prefill:
-        local = min(w.usable_blocks, cap)
+        local = w.usable_blocks
+        if local > cap:
+            local = cap
         own = own_plans.get(local)
         if own is None:
             own = own_plans[local] = ReusePlan(local, None)
-        wait = queue_s(w, costs) if w.prefill_jobs else 0  # most workers of a large cluster: sum() of none
-        branch = RouteBranch.LOCAL if local else RouteBranch.COLD
+        wait = queue_s(w, costs) if w.prefill_jobs else 0  # most workers of a large cluster: a sum of none
         if w.cpp_stages > 1:
             unit_s = unit_prefill_s(costs, w, n - local * bs, local * bs)
         else:
             unit_s = single_s.get(local)
             if unit_s is None:
                 unit_s = single_s[local] = costs.prefill_s(n - local * bs, local * bs)
-        options.append(PrefillOption(w, own, branch, wait, 0.0, worker_prefill_s(w, unit_s)))
-        if may_replicate and best.worker_id != w.worker_id and best_blocks > config.balancing_threshold * local:
+        slowdown, handoff_s, worker_id = w.slowdown, w.handoff_s, w.worker_id
+        start_s = w.dispatch_s + wait
+        prefill_s = unit_s * slowdown + handoff_s
+        rows.append((start_s + 0.0 + prefill_s, wait, worker_id, False, w, own, local_branch if local else cold_branch,
+                     0.0, prefill_s))
+        if may_replicate and best.worker_id != worker_id and best_blocks > config.balancing_threshold * local:
             backend = w.transfer_backend
-            if backend not in pull_s_of:
-                pull_s_of[backend] = costs.pull_s(best_blocks * bs, 1, backend=backend, tier=pull_tier)
+            pull_s = pull_s_of.get(backend)
+            if pull_s is None:
+                pull_s = pull_s_of[backend] = costs.pull_s(best_blocks * bs, 1, backend=backend, tier=pull_tier)
             pull_prefill = (pull_prefill_s if w.cpp_stages <= 1
                             else unit_prefill_s(costs, w, n - best_blocks * bs, best_blocks * bs))
-            options.append(PrefillOption(w, pull_plan, RouteBranch.PULL, wait, pull_s_of[backend],
-                                         worker_prefill_s(w, pull_prefill)))
-    return options
+            prefill_s = pull_prefill * slowdown + handoff_s
+            rows.append((start_s + pull_s + prefill_s, wait, worker_id, True, w, pull_plan, pull_branch, pull_s,
+                         prefill_s))
+    return rows
+
+
+def prefill_options(snapshot: ClusterSnapshot, request: RouteRequest, costs: CostModels,
+                    config) -> list[PrefillOption]:
+    """Every (worker, local or pull) option of Algorithm 1, in snapshot order (``_option_rows``)."""
+    return [_option(row) for row in _option_rows(snapshot, request, costs, config)]
 
 
 def choose_prefill(snapshot: ClusterSnapshot, request: RouteRequest, costs: CostModels, config) -> PrefillOption:
     """The minimum-TTFT option, replaced by a replicating pull when the prefix is hot and its
     holder is the bottleneck (see the module docstring)."""
-    options = prefill_options(snapshot, request, costs, config)
-    chosen = min(options, key=PrefillOption.order)
+    rows = _option_rows(snapshot, request, costs, config)
+    chosen = min(rows)  # PrefillOption.order's key: the rows' leading fields
+    _, chosen_wait, _, _, _, chosen_plan, _, _, _ = chosen
     hot = config.hot_prefix_rate_per_s > 0 and snapshot.prefix_rate_per_s >= config.hot_prefix_rate_per_s
-    holder_busy = chosen.reuse.holder is None and chosen.reuse.num_blocks > 0 and chosen.queue_s > 0
+    holder_busy = chosen_plan.holder is None and chosen_plan.num_blocks > 0 and chosen_wait > 0
     if not (hot and holder_busy):
-        return chosen
-    pulls = [o for o in options if o.reuse.holder is not None and o.queue_s < chosen.queue_s
-             and o.reuse.num_blocks >= chosen.reuse.num_blocks and o.ttft_s <= request.ttft_slo_s]
+        return _option(chosen)
+    pulls = [row for row in rows if row[5].holder is not None and row[1] < chosen_wait
+             and row[5].num_blocks >= chosen_plan.num_blocks and row[0] <= request.ttft_slo_s]
     if not pulls:
-        return chosen
-    best_pull = min(pulls, key=PrefillOption.order)
+        return _option(chosen)
+    best_pull = _option(min(pulls))
     return PrefillOption(best_pull.worker, best_pull.reuse, RouteBranch.REPLICATE, best_pull.queue_s,
                          best_pull.transfer_s, best_pull.prefill_s)
 
 
-def _staying(worker: WorkerView, index: BatchIndex, request: RouteRequest, costs: CostModels,
-             at_s: float) -> tuple[int, int]:
-    """Batch size and context tokens on ``worker`` (its known jobs: ``index``) ``at_s``
-    seconds from now, before anyone joins: running requests this Conductor does not know, the
-    known running ones that have not generated their remaining tokens by then, and this request."""
-    other = max(0, worker.num_running - index.num_running)
-    other_tokens = max(0, worker.num_context_tokens - index.running_tokens)
-    step_s = costs.decode_step_s(max(1, worker.num_running), worker.num_context_tokens)
-    num_staying, staying_tokens = index.staying(step_s, at_s)
-    return other + num_staying + 1, other_tokens + staying_tokens + request.num_prompt_tokens
+class DecodeBasis(NamedTuple):
+    """What a decode worker's batch predictions read of its view before the request's own
+    numbers: its known jobs indexed, the running requests (and their context tokens) its
+    heartbeat counts beyond them (another Conductor's), and its step time now. One per view:
+    the policy keeps it while the snapshot hands out the same view (``conductor.snapshot``)."""
+
+    index: BatchIndex
+    other: int
+    other_tokens: int
+    step_s: float
+
+    @classmethod
+    def of(cls, worker: WorkerView, costs: CostModels) -> DecodeBasis:
+        index = batch_index(worker.decode_jobs)
+        return cls(index, max(0, worker.num_running - index.num_running),
+                   max(0, worker.num_context_tokens - index.running_tokens),
+                   costs.decode_step_s(max(1, worker.num_running), worker.num_context_tokens))
+
+
+def _staying(basis: DecodeBasis, request: RouteRequest, at_s: float) -> tuple[int, int]:
+    """Batch size and context tokens on the worker ``at_s`` seconds from now, before anyone
+    joins: running requests this Conductor does not know, the known running ones that have not
+    generated their remaining tokens by then, and this request."""
+    num_staying, staying_tokens = basis.index.staying(basis.step_s, at_s)
+    return basis.other + num_staying + 1, basis.other_tokens + staying_tokens + request.num_prompt_tokens
 
 
 def tbt_after_join(worker: WorkerView, request: RouteRequest, costs: CostModels, at_s: float | None,
@@ -166,18 +214,18 @@ def tbt_after_join(worker: WorkerView, request: RouteRequest, costs: CostModels,
     batch it will share while it decodes, as far as this Conductor knows now."""
     if at_s is None:
         return costs.decode_step_s(worker.num_running + 1, worker.num_context_tokens + request.num_prompt_tokens)
-    index = batch_index(worker.decode_jobs)
-    batch, tokens = _staying(worker, index, request, costs, at_s)
-    num_joining, joining_tokens = index.joining(now_s, at_s if until_s is None else until_s)
+    basis = DecodeBasis.of(worker, costs)
+    batch, tokens = _staying(basis, request, at_s)
+    num_joining, joining_tokens = basis.index.joining(now_s, at_s if until_s is None else until_s)
     return costs.decode_step_s(batch + num_joining, tokens + joining_tokens)
 
 
-def _tbt_while_decoding(worker: WorkerView, request: RouteRequest, costs: CostModels, ttft_s: float,
+def _tbt_while_decoding(basis: DecodeBasis, request: RouteRequest, costs: CostModels, ttft_s: float,
                         now_s: float) -> float:
     """``tbt_after_join`` at ``ttft_s`` until the end of this request's decode (its max tokens
     at the step time on joining); the two predictions share everything but who joins."""
-    index = batch_index(worker.decode_jobs)
-    batch, tokens = _staying(worker, index, request, costs, ttft_s)
+    batch, tokens = _staying(basis, request, ttft_s)
+    index = basis.index
     if not index.ready_at_s:  # nobody joins, then or later: both predictions are this one
         return costs.decode_step_s(batch, tokens)
     num_joining, joining_tokens = index.joining(now_s, ttft_s)
@@ -194,31 +242,50 @@ def _retry_hint_s(worker: WorkerView, costs: CostModels, now_s: float) -> float:
 
 
 def _decode_choice(snapshot: ClusterSnapshot, request: RouteRequest, costs: CostModels, mode: str,
-                   ttft_s: float) -> tuple[WorkerView, float]:
+                   ttft_s: float, basis_of: Callable[[WorkerView], DecodeBasis]) -> tuple[WorkerView, float]:
     """The fitting decode worker with the lowest predicted TBT, and that TBT. Predictive: over
-    this request's decode (from ``now + ttft`` for its max tokens at the step time then)."""
-    def predicted(w: WorkerView) -> float:
-        if mode == "early":
-            return tbt_after_join(w, request, costs, None)
-        return _tbt_while_decoding(w, request, costs, ttft_s, snapshot.time_s)
-
-    # Worker ids are unique, so the minimum never compares the views themselves.
-    scored = [(predicted(w), -w.num_free_pages, w.worker_id, w) for w in fitting_decode(snapshot, request)]
+    this request's decode (from ``now + ttft`` for its max tokens at the step time then), from
+    each view's ``basis_of``. Worker ids are unique, so the minimum never compares the views."""
+    fitting = fitting_decode(snapshot, request)
+    if mode == "early":
+        scored = [(tbt_after_join(w, request, costs, None), -w.num_free_pages, w.worker_id, w) for w in fitting]
+    else:
+        now_s = snapshot.time_s
+        scored = [(_tbt_while_decoding(basis_of(w), request, costs, ttft_s, now_s), -w.num_free_pages, w.worker_id, w)
+                  for w in fitting]
     tbt, _, _, worker = min(scored)
     return worker, tbt
+
+
+def _basis_memo(costs: CostModels) -> Callable[[WorkerView], DecodeBasis]:
+    """``DecodeBasis.of`` kept per decode worker while the snapshots hand out the same view
+    (a view is frozen, so its basis stays true; on a large cluster most decode workers' views
+    are the last decision's). Holds one view per worker id."""
+    kept: dict[str, tuple[WorkerView, DecodeBasis]] = {}
+
+    def basis_of(worker: WorkerView) -> DecodeBasis:
+        hit = kept.get(worker.worker_id)
+        if hit is not None and hit[0] is worker:
+            return hit[1]
+        basis = DecodeBasis.of(worker, costs)
+        kept[worker.worker_id] = (worker, basis)
+        return basis
+
+    return basis_of
 
 
 def make_mooncake(context: PolicyContext) -> Policy:
     if context.costs is None:
         raise ValueError("the mooncake policy needs cost models (a calibration from `tidekv calibrate`)")
     costs, config = context.costs, context.routing
+    basis_of = _basis_memo(costs)
 
     def mooncake(snapshot: ClusterSnapshot, request: RouteRequest) -> RouteDecision | Rejection:
         rejection = admission_rejection(snapshot, request)
         if rejection is not None:
             return rejection
         option = choose_prefill(snapshot, request, costs, config)
-        decode, tbt = _decode_choice(snapshot, request, costs, config.admission_mode, option.ttft_s)
+        decode, tbt = _decode_choice(snapshot, request, costs, config.admission_mode, option.ttft_s, basis_of)
         if option.ttft_s > request.ttft_slo_s:
             return Rejection(
                 f"predicted TTFT {option.ttft_s:.3f}s misses the {request.ttft_slo_s:g}s SLO: best is "

@@ -359,7 +359,10 @@ def best_holder(
 ) -> WorkerView | None:
     """The prefill worker (other than ``exclude``) with the deepest capped prefix; ties go to
     the faster slowest-tier, then the smallest worker_id. None if no worker has a block."""
-    others = [w for w in workers if w.worker_id != exclude and capped_usable(w, request) > 0]
+    if max_reuse_blocks(request) <= 0:
+        return None
+    # A worker's capped prefix is above 0 exactly when it has usable blocks (the cap is above 0).
+    others = [w for w in workers if w.usable_blocks and w.worker_id != exclude]
     if not others:
         return None
     return min(others, key=lambda w: (-capped_usable(w, request), _tier_rank(w), w.worker_id))

@@ -229,11 +229,13 @@ def build_snapshot(registry: Sequence[RegistryEntry], matches: MatchSnapshot | N
     def unseen() -> Pace:
         return getattr(paces, "unseen", _NO_PACE)
 
-    by_worker = {m.worker_id: m for m in matches.matches} if matches is not None else {}
+    # A match with no usable block reads as none (most workers of a large cluster).
+    by_worker = {m.worker_id: m for m in matches.matches if m.num_blocks_usable} if matches is not None else {}
     prefill, decode = [], []
     for entry in registry:
-        w = entry.worker_id
-        if entry.role is WorkerRole.DECODE:
+        info = entry.info
+        w = info.worker_id
+        if info.role is WorkerRole.DECODE:
             decode.append(_decode_view(entry, pending) if memo is None else _memo_decode_view(memo, entry, pending))
         elif memo is None:
             prefill.append(_prefill_view(entry, pending, by_worker.get(w), paces.get(w) or unseen(), now_s))

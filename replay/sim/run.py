@@ -137,8 +137,9 @@ class Simulation:
     def _arrive(self, life: _Life) -> None:
         self.lives[life.req.request_id] = life
         stall_s = self.config.overheads.decode_stall_s_per_arrival  # the Conductor's work shares the host's cores
-        for decode in self.cluster.decode.values():
-            decode.stall(stall_s)
+        if stall_s > 0:  # (a stall of none is a no-op: not a pass over every decode worker per arrival)
+            for decode in self.cluster.decode.values():
+                decode.stall(stall_s)
         c = self.config.conductor
         if self.num_running < c.max_running:
             self.num_running += 1
