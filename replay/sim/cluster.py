@@ -34,6 +34,7 @@ class SimCluster:
         self.decode: dict[str, SimDecode] = {}
         self._loads: dict[str, WorkerLoad] = {}
         self._entries: list[WorkerInfo] | None = None  # registry order, made once
+        self._made: list[RegistryEntry | None] = []  # the entries last handed out, in that order
         self.last_match: MatchSnapshot | None = None
 
     def add(self, worker: SimPrefill | SimDecode) -> None:
@@ -81,11 +82,20 @@ class SimCluster:
 
     # ---- ClusterView ----------------------------------------------------------------------------
     def registry_view(self, wall_now_s: float) -> tuple[RegistryEntry, ...]:
-        if self._entries is None:  # prefill workers then decode workers, each by id; infos fixed
+        """Every worker's entry: prefill workers then decode workers, each by id. An entry is
+        made again when its worker's load changed or the load lists prefill jobs; any other
+        keeps the age it was made with, which nothing reads (the snapshot reads a load's age
+        only to advance the jobs it lists), so a decision does not remake one per worker."""
+        if self._entries is None:  # infos fixed
             self._entries = [self._infos[wid] for workers in (self.prefill, self.decode) for wid in sorted(workers)]
-        loads, entry = self._loads, RegistryEntry.of
-        return tuple([entry(info, load, max(0.0, wall_now_s - load.timestamp_s))
-                      for info in self._entries for load in (loads[info.worker_id],)])
+            self._made = [None] * len(self._entries)
+        loads, made, entry = self._loads, self._made, RegistryEntry.of
+        for i, info in enumerate(self._entries):
+            load = loads[info.worker_id]
+            last = made[i]
+            if last is None or last.load is not load or load.prefill_jobs:
+                made[i] = entry(info, load, max(0.0, wall_now_s - load.timestamp_s))
+        return tuple(made)
 
     def match(self, keys: Sequence[BlockKey]) -> MatchSnapshot | None:
         self.last_match = self.index.match(keys) if keys else None
