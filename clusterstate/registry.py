@@ -36,6 +36,13 @@ class WorkerRegistry:
         self.ttl_s = ttl_s
         self._clock = clock
         self._entries: dict[str, WorkerEntry] = {}
+        # alive_ids' answer, with the lease it holds under and the last-seen times that bound
+        # it: the alive worker seen longest ago and the expired one seen last. Dropped on every
+        # change of an entry.
+        self._alive: tuple[tuple[str, ...], float, float, float] | None = None
+
+    def _changed(self) -> None:
+        self._alive = None
 
     def now(self) -> float:
         return self._clock()
@@ -46,8 +53,25 @@ class WorkerRegistry:
         return entry is not None and (self._clock() if at_s is None else at_s) - entry.last_seen_s < self.ttl_s
 
     def alive_ids(self) -> list[str]:
-        now_s = self._clock()
-        return sorted(w for w, e in self._entries.items() if now_s - e.last_seen_s < self.ttl_s)
+        """The alive workers' ids, sorted. Kept while no entry changes and the clock has not
+        passed a lease's end (the same test per entry as ever, on the two entries that bound
+        the answer: it is monotone in the time and in the last-seen time): a match asks on
+        every decision."""
+        now_s, ttl_s = self._clock(), self.ttl_s
+        kept = self._alive
+        if (kept is not None and kept[1] == ttl_s and now_s - kept[2] < ttl_s
+                and not now_s - kept[3] < ttl_s):
+            return list(kept[0])
+        ids, oldest_alive_s, newest_expired_s = [], float("inf"), -float("inf")
+        for w, e in self._entries.items():
+            if now_s - e.last_seen_s < ttl_s:
+                ids.append(w)
+                oldest_alive_s = min(oldest_alive_s, e.last_seen_s)
+            else:
+                newest_expired_s = max(newest_expired_s, e.last_seen_s)
+        ids.sort()
+        self._alive = (tuple(ids), ttl_s, oldest_alive_s, newest_expired_s)
+        return ids
 
     def entry(self, worker_id: str, at_s: float | None = None) -> WorkerEntry | None:
         """The worker's entry if it is alive now (or at ``at_s``), else None."""
@@ -59,6 +83,7 @@ class WorkerRegistry:
         at_s = self._clock() if at_s is None else at_s
         old = self.entry(info.worker_id, at_s)
         is_new = old is None or old.info.instance_id != info.instance_id
+        self._changed()
         if is_new:
             self._entries[info.worker_id] = WorkerEntry(info, WorkerLoad.initial(info), at_s)
         else:
@@ -75,11 +100,13 @@ class WorkerRegistry:
             return False
         if seq and seq <= entry.heartbeat_seq:
             return True
+        self._changed()
         self._entries[worker_id] = WorkerEntry(entry.info, load, max(entry.last_seen_s, at_s),
                                                seq or entry.heartbeat_seq)
         return True
 
     def remove(self, worker_id: str) -> bool:
+        self._changed()
         return self._entries.pop(worker_id, None) is not None
 
     def workers(self) -> list[tuple[WorkerInfo, WorkerLoad]]:
@@ -91,6 +118,7 @@ class WorkerRegistry:
 
     def restore(self, entry: WorkerEntry) -> None:
         """Put ``entry`` back as it was (a snapshot being loaded)."""
+        self._changed()
         self._entries[entry.info.worker_id] = entry
 
     def known_ids(self) -> set[str]:
@@ -103,6 +131,7 @@ class WorkerRegistry:
         expired = sorted(w for w, e in self._entries.items() if now_s - e.last_seen_s >= self.ttl_s + grace_s)
         for worker_id in expired:
             del self._entries[worker_id]
+        self._changed()
         return expired
 
     def check_integrity(self) -> None:

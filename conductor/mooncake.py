@@ -220,20 +220,6 @@ def tbt_after_join(worker: WorkerView, request: RouteRequest, costs: CostModels,
     return costs.decode_step_s(batch + num_joining, tokens + joining_tokens)
 
 
-def _tbt_while_decoding(basis: DecodeBasis, request: RouteRequest, costs: CostModels, ttft_s: float,
-                        now_s: float) -> float:
-    """``tbt_after_join`` at ``ttft_s`` until the end of this request's decode (its max tokens
-    at the step time on joining); the two predictions share everything but who joins."""
-    batch, tokens = _staying(basis, request, ttft_s)
-    index = basis.index
-    if not index.ready_at_s:  # nobody joins, then or later: both predictions are this one
-        return costs.decode_step_s(batch, tokens)
-    num_joining, joining_tokens = index.joining(now_s, ttft_s)
-    first_s = costs.decode_step_s(batch + num_joining, tokens + joining_tokens)
-    num_joining, joining_tokens = index.joining(now_s, ttft_s + request.max_tokens * first_s)
-    return costs.decode_step_s(batch + num_joining, tokens + joining_tokens)
-
-
 def _retry_hint_s(worker: WorkerView, costs: CostModels, now_s: float) -> float:
     """When the decode worker's batch will have shrunk: the soonest a known request finishes."""
     step_s = costs.decode_step_s(max(1, worker.num_running), worker.num_context_tokens)
@@ -243,16 +229,32 @@ def _retry_hint_s(worker: WorkerView, costs: CostModels, now_s: float) -> float:
 
 def _decode_choice(snapshot: ClusterSnapshot, request: RouteRequest, costs: CostModels, mode: str,
                    ttft_s: float, basis_of: Callable[[WorkerView], DecodeBasis]) -> tuple[WorkerView, float]:
-    """The fitting decode worker with the lowest predicted TBT, and that TBT. Predictive: over
-    this request's decode (from ``now + ttft`` for its max tokens at the step time then), from
-    each view's ``basis_of``. Worker ids are unique, so the minimum never compares the views."""
+    """The fitting decode worker with the lowest predicted TBT, and that TBT. Worker ids are
+    unique, so the minimum never compares the views.
+
+    Predictive: ``tbt_after_join`` at ``ttft_s`` until the end of this request's decode (its
+    max tokens at the step time on joining), from each view's ``basis_of``; the two
+    predictions share everything but who joins (written out in one pass: this runs for every
+    decode worker of every decision)."""
     fitting = fitting_decode(snapshot, request)
     if mode == "early":
         scored = [(tbt_after_join(w, request, costs, None), -w.num_free_pages, w.worker_id, w) for w in fitting]
-    else:
-        now_s = snapshot.time_s
-        scored = [(_tbt_while_decoding(basis_of(w), request, costs, ttft_s, now_s), -w.num_free_pages, w.worker_id, w)
-                  for w in fitting]
+        tbt, _, _, worker = min(scored)
+        return worker, tbt
+    now_s, max_tokens, step_s = snapshot.time_s, request.max_tokens, costs.decode_step_s
+    scored = []
+    for w in fitting:
+        basis = basis_of(w)
+        batch, tokens = _staying(basis, request, ttft_s)
+        index = basis.index
+        if not index.ready_at_s:  # nobody joins, then or later: both predictions are this one
+            tbt = step_s(batch, tokens)
+        else:
+            num_joining, joining_tokens = index.joining(now_s, ttft_s)
+            first_s = step_s(batch + num_joining, tokens + joining_tokens)
+            num_joining, joining_tokens = index.joining(now_s, ttft_s + max_tokens * first_s)
+            tbt = step_s(batch + num_joining, tokens + joining_tokens)
+        scored.append((tbt, -w.num_free_pages, w.worker_id, w))
     tbt, _, _, worker = min(scored)
     return worker, tbt
 

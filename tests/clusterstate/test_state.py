@@ -364,3 +364,36 @@ def test_state_rows_widen_past_16_workers_and_free_slots_are_reused() -> None:
         index.remove(worker_id)
     index.check_integrity()
     assert index._blocks._rows == {} and index.stored_events() == []
+
+
+def test_alive_ids_kept_between_changes_equal_a_fresh_pass_at_every_moment() -> None:
+    """The registry keeps its alive ids between changes (a match asks on every decision): under
+    random registrations, heartbeats, removals, reaps and clock moves (backwards too), the kept
+    answer is always the plain lease test over every entry."""
+    from clusterstate.registry import WorkerRegistry
+
+    rng = random.Random(7)
+    clock = FakeClock()
+    registry = WorkerRegistry(ttl_s=2.0, clock=clock)
+    names = [f"w{i}" for i in range(6)]
+    num_kept = 0
+    for _ in range(3000):
+        op = rng.random()
+        w = rng.choice(names)
+        if op < 0.2:
+            registry.register(info(w))
+        elif op < 0.4:
+            registry.heartbeat(w, WorkerLoad())
+        elif op < 0.45:
+            registry.remove(w)
+        elif op < 0.5:
+            registry.reap_expired(grace_s=rng.choice((0.0, 1.0)))
+        elif op < 0.9:
+            clock.advance(rng.choice((0.001, 0.25, 0.5, 1.0, 1.999, 2.0)))
+        else:
+            clock.advance(-rng.choice((0.001, 0.5, 2.0)))
+        kept = registry._alive
+        expected = sorted(e.info.worker_id for e in registry.entries() if clock() - e.last_seen_s < registry.ttl_s)
+        assert registry.alive_ids() == expected
+        num_kept += kept is not None and registry._alive is kept
+    assert num_kept > 500  # the kept answer was used, not only remade
