@@ -334,7 +334,8 @@ def admission_rejection(snapshot: ClusterSnapshot, request: RouteRequest) -> Rej
         return Rejection("no prefill workers registered", RETRY_NO_WORKERS_S)
     if not snapshot.decode:
         return Rejection("no decode workers registered", RETRY_NO_WORKERS_S)
-    if fitting_decode(snapshot, request):
+    need = decode_need_pages(request)
+    if any(w.num_free_pages >= need for w in snapshot.decode):  # fitting_decode's test, to the first that fits
         return None
     best = min(snapshot.decode, key=lambda w: (-w.num_free_pages, w.worker_id))
     return Rejection(
