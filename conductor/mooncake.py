@@ -41,9 +41,8 @@ MIN_RETRY_S = 0.5
 
 
 class PrefillOption(NamedTuple):
-    """One way to prefill the request on one worker, with its predicted times. A named tuple
-    (immutable like a frozen dataclass, built in a fraction of its time: a decision weighs
-    up to two per prefill worker)."""
+    """One way to prefill the request on one worker, with its predicted times (the chosen
+    one's; the options weighed are ``OptionRow``s)."""
 
     worker: WorkerView
     reuse: ReusePlan
@@ -55,10 +54,6 @@ class PrefillOption(NamedTuple):
     @property
     def ttft_s(self) -> float:
         return self.worker.dispatch_s + self.queue_s + self.transfer_s + self.prefill_s
-
-    def order(self) -> tuple[float, float, str, bool]:
-        """argmin key: TTFT, then the shorter queue, then id, local before pull."""
-        return (self.ttft_s, self.queue_s, self.worker.worker_id, self.reuse.holder is not None)
 
 
 def worker_prefill_s(worker: WorkerView, calibrated_s: float) -> float:
@@ -160,7 +155,7 @@ def choose_prefill(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cost
     """The minimum-TTFT option, replaced by a replicating pull when the prefix is hot and its
     holder is the bottleneck (see the module docstring)."""
     rows = _option_rows(snapshot, request, costs, config)
-    chosen = min(rows)  # PrefillOption.order's key: the rows' leading fields
+    chosen = min(rows)  # by the rows' leading fields (OptionRow)
     _, chosen_wait, _, _, _, chosen_plan, _, _, _ = chosen
     hot = config.hot_prefix_rate_per_s > 0 and snapshot.prefix_rate_per_s >= config.hot_prefix_rate_per_s
     holder_busy = chosen_plan.holder is None and chosen_plan.num_blocks > 0 and chosen_wait > 0
