@@ -85,8 +85,10 @@ def _prefill_jobs(entry: RegistryEntry, pending: PendingView, now_s: float) -> t
     if not entry.load.prefill_jobs:
         return _with_head_running(own, w, pending, now_s)  # the heartbeat lists nothing: every job is ours
     left = pending.left_prefill.get(w, frozenset())
-    jobs = [PrefillJobLoad(j.request_id, j.num_new_tokens, j.num_reused_tokens,
-                           j.elapsed_s + entry.load_age_s if j.elapsed_s > 0 else 0.0)
+    age_s = entry.load_age_s
+    # A queued job (elapsed 0) is listed as it is; a running one has run for the load's age more.
+    jobs = [j if j.elapsed_s == 0 else PrefillJobLoad(j.request_id, j.num_new_tokens, j.num_reused_tokens,
+                                                      j.elapsed_s + age_s if j.elapsed_s > 0 else 0.0)
             for j in entry.load.prefill_jobs if request_of(j.request_id) not in left]
     if own:
         listed = {request_of(j.request_id) for j in entry.load.prefill_jobs}
@@ -167,13 +169,14 @@ class ViewMemo:
 
 def _prefill_view(entry: RegistryEntry, pending: PendingView, m, pace: Pace, now_s: float) -> WorkerView:
     usable = m.num_blocks_usable if m is not None else 0
+    info, load = entry.info, entry.load
     return _view(
-        worker_id=entry.worker_id, role=WorkerRole.PREFILL, rpc_address=entry.rpc_address,
-        transfer_address=entry.transfer_address, num_free_pages=entry.load.num_free_pages,
-        num_running=entry.load.num_running, prefill_jobs=_prefill_jobs(entry, pending, now_s), usable_blocks=usable,
+        worker_id=info.worker_id, role=WorkerRole.PREFILL, rpc_address=info.rpc_address,
+        transfer_address=info.transfer_address, num_free_pages=load.num_free_pages,
+        num_running=load.num_running, prefill_jobs=_prefill_jobs(entry, pending, now_s), usable_blocks=usable,
         usable_tier=m.slowest_usable_tier if usable else None, slowdown=pace.slowdown,
         handoff_s=pace.handoff_s, dispatch_s=pace.dispatch_s,
-        cpp_stages=entry.info.cpp_stages, cpp_chunk_tokens=entry.info.cpp_chunk_tokens,
+        cpp_stages=info.cpp_stages, cpp_chunk_tokens=info.cpp_chunk_tokens,
     )
 
 
