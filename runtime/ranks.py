@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from runtime.auth import Member, WorkerCredential, derive, load_secret, worker_principal
+from runtime.auth import Member, WorkerCredential, derive, worker_principal
 from runtime.rank_watch import RankLink, RankWatch
 from runtime.settings import argv_of, parse_config, setup_torch
 from runtime.worker_config import WorkerConfig
@@ -102,8 +102,8 @@ def exit_now(code: int = 0) -> None:
     os._exit(code)
 
 
-def _watch_key(config: WorkerConfig) -> bytes:
-    return derive(load_secret(config.cluster_secret_file), "rank-watch")
+def _watch_key(member: Member) -> bytes:
+    return derive(member.secret, "rank-watch")
 
 
 def _leader_host(config: WorkerConfig) -> str:
@@ -182,7 +182,8 @@ def instance_model(config: WorkerConfig, role: str, credential: WorkerCredential
     try:
         model = join(spec, on_failure=lost)
         watch_host = config.host if config.dist_init else "127.0.0.1"
-        watch = RankWatch(watch_host, _watch_key(config), credential.instance_id, shape.world_size - 1, lost)
+        watch = RankWatch(watch_host, _watch_key(credential.member), credential.instance_id, shape.world_size - 1,
+                          lost)
         model.channel.ints([watch.port], 1)  # the ranks' first message after joining: where to watch rank 0
         watch.wait_joined(config.dist_timeout_s)
     except (GroupFailed, RuntimeError, ValueError):
@@ -204,15 +205,18 @@ def instance_model(config: WorkerConfig, role: str, credential: WorkerCredential
     return model, close
 
 
-def serve_rank(config: WorkerConfig) -> None:
-    """The life of a rank other than 0 (see the module docstring); returns when rank 0 stops it."""
+def serve_rank(config: WorkerConfig, member: Member | None = None) -> None:
+    """The life of a rank other than 0 (see the module docstring); returns when rank 0 stops it.
+    ``member``: this rank's credential when its process holds the cluster secret already (a Ray
+    rank actor, given it in memory); else it is read from ``config.cluster_secret_file``."""
     from engine.parallel.group import GroupFailed, leave_group
     from engine.parallel.instance import RankSpec, join
 
     setup_torch(config.threads or None)
     if not config.dist_init:
         raise SystemExit(f"rank {config.rank}: --dist-init is required (rank 0 starts its own ranks without it)")
-    member = Member.from_config(config.cluster_secret_file, worker_principal(config.worker_id), config.tls)
+    if member is None:
+        member = Member.from_config(config.cluster_secret_file, worker_principal(config.worker_id), config.tls)
     addresses = [a.strip() for a in config.conductor.split(",") if a.strip()]
     instance = {"id": ""}
 
@@ -231,7 +235,7 @@ def serve_rank(config: WorkerConfig) -> None:
     try:
         follower = join(spec)
         port = follower.channel.ints(None, 1)[0]
-        link = RankLink(_leader_host(config), port, _watch_key(config), config.rank,
+        link = RankLink(_leader_host(config), port, _watch_key(member), config.rank,
                         lambda reason: fail_fast(reason, deregister_instance))
         instance["id"] = link.instance_id
         log.info("rank %d of %s following rank 0", config.rank, config.worker_id)
