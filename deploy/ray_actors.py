@@ -12,15 +12,19 @@ Conductor actors for their addresses whenever it (re)starts, and is given them a
 metrics port + R) when they are fixed, so replicas that share a node do not collide.
 
 Every actor but the HTTP front (which signs nothing: it calls the Conductor's public endpoint
-with its clients' API keys) gets the cluster secret (``runtime.auth``) as an argument and
-writes it to a file of its own (mode 0600) for its service: the one in the Conductor config's
-``cluster_secret_file`` when the driver has it, else a new one; the Conductor actor keeps it
-for later scale-ups. Ray's own channels carry it, so whoever may drive the Ray cluster holds
+with its clients' API keys) gets the cluster secret (``runtime.auth``) as an argument: the one
+in the Conductor config's ``cluster_secret_file`` when the driver has it, else a new one; the
+Conductor actor keeps it for later scale-ups. A ``RoleActor`` writes it to a file of its own
+(mode 0600 in a 0700 directory) only while its service is built and started, which is when
+the service reads it, and removes it then: no copy stays on disk while the actor serves, so
+none outlives it however it ends (``ray.kill``, a lost rank's exit). A ``RankActor`` hands it
+to its rank in memory. Ray's own channels carry it, so whoever may drive the Ray cluster holds
 it, as they can already run code in every actor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -29,6 +33,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +42,7 @@ import ray
 from deploy.cluster_state import WorkerState, workers_from_response
 from deploy.ray_config import CONDUCTOR, CONDUCTOR_NAMES, HTTP, POOLS, RayClusterConfig
 from proto import internal_pb2 as ipb
+from runtime.auth import Member, worker_principal
 from runtime.ports import free_port
 from runtime.settings import setup_torch
 
@@ -86,6 +92,20 @@ def _placed(role: str, config: Any, node_ip: str, namespace: str) -> Any:
     return dataclasses.replace(config, **changes)
 
 
+@contextlib.contextmanager
+def _secret_file(secret: str) -> Iterator[str]:
+    """The path of a new file holding ``secret`` (mode 0600 in a new 0700 directory), removed
+    with its directory on leaving, whether the body returned or raised."""
+    directory = tempfile.mkdtemp(prefix="tidekv-secret-")
+    try:
+        path = os.path.join(directory, "cluster.secret")
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(secret)
+        yield path
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 class RoleActor:
     """One role's service in a Ray actor process (see the module docstring). Thread-safe: the
     actor runs with several threads so ``ready`` answers while ``drain`` blocks."""
@@ -94,22 +114,24 @@ class RoleActor:
         setup_torch(getattr(config, "threads", 0) or 1)
         self.role, self.cluster, self._secret = role, cluster, secret
         self.node_ip = ray.util.get_node_ip_address()
-        self._secret_dir = ""
-        if role != HTTP:  # the front signs nothing: it gets no secret (and is given "")
-            self._secret_dir = tempfile.mkdtemp(prefix="tidekv-secret-")
-            secret_file = os.path.join(self._secret_dir, "cluster.secret")
-            with os.fdopen(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
-                f.write(secret)
-            config = dataclasses.replace(config, cluster_secret_file=secret_file)
         self.config = _placed(role, config, self.node_ip, namespace)
         parallel = role in POOLS and self.config.parallel_shape.world_size > 1
         if parallel:  # a rendezvous on this node, new at every (re)start; the ranks ask for it
             self.config = dataclasses.replace(self.config, dist_init=f"tcp://{self.node_ip}:{free_port(self.node_ip)}")
-        self.service = importlib.import_module(BUILDERS[role]).build(self.config)
+        build = importlib.import_module(BUILDERS[role]).build
+        # The service reads the secret file while it is built (a worker: its credential) or
+        # started (the Conductor), so the file goes right after: none is on disk while the actor
+        # serves. A parallel rank 0, which starts in the background, uses the credential it was built with.
+        with contextlib.ExitStack() as reading:
+            service_config = self.config
+            if role != HTTP:  # the front signs nothing: it gets no secret (and is given "")
+                service_config = dataclasses.replace(
+                    service_config, cluster_secret_file=reading.enter_context(_secret_file(secret)))
+            self.service = build(service_config)
+            if not parallel:
+                self.service.start()
         if parallel:  # the other ranks need the rendezvous before this one can finish starting
             threading.Thread(target=self.service.start, name="instance-start", daemon=True).start()
-        else:
-            self.service.start()
 
     def secret(self) -> str:
         """The cluster secret (the conductor actor's, for workers added later)."""
@@ -163,15 +185,14 @@ class RoleActor:
 
     def stop(self) -> None:
         self.service.stop()
-        if self._secret_dir:
-            shutil.rmtree(self._secret_dir, ignore_errors=True)
 
 
 class RankActor:
     """A rank other than 0 of a worker instance (``runtime.ranks.serve_rank``), following rank
     0's schedule on a thread. It asks rank 0's actor (``leader``) for the rendezvous at every
     (re)start; when the instance loses a rank this process exits, and Ray restarts it into the
-    instance's next start."""
+    instance's next start. The rank runs in this process, so it is given the cluster secret in
+    memory: no file of it is ever written."""
 
     def __init__(self, role: str, config: Any, secret: str, leader: str, namespace: str):
         setup_torch(getattr(config, "threads", 0) or 1)
@@ -179,19 +200,15 @@ class RankActor:
         while not dist_init and time.monotonic() < until:  # "" from a rank 0 that is ending: wait for its restart
             dist_init = ray.get(ray.get_actor(leader, namespace=namespace).dist_init.remote(), timeout=300)
             time.sleep(0 if dist_init else 0.5)
-        config = dataclasses.replace(config, dist_init=dist_init)
-        self._secret_dir = tempfile.mkdtemp(prefix="tidekv-secret-")
-        secret_file = os.path.join(self._secret_dir, "cluster.secret")
-        with os.fdopen(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
-            f.write(secret)
-        self.config = dataclasses.replace(config, cluster_secret_file=secret_file)
+        self.config = dataclasses.replace(config, dist_init=dist_init)
+        member = Member(secret.encode(), worker_principal(config.worker_id), config.tls)
         from runtime.ranks import serve_rank
 
-        self._thread = threading.Thread(target=self._serve, args=(serve_rank,), name="rank", daemon=True)
+        self._thread = threading.Thread(target=self._serve, args=(serve_rank, member), name="rank", daemon=True)
         self._thread.start()
 
-    def _serve(self, serve_rank: Any) -> None:
-        serve_rank(self.config)  # returns when rank 0 stopped the instance; the launcher then kills this actor
+    def _serve(self, serve_rank: Any, member: Member) -> None:
+        serve_rank(self.config, member)  # returns when rank 0 stopped the instance; the launcher then kills this actor
 
     def alive(self) -> bool:
         return self._thread.is_alive()

@@ -32,7 +32,7 @@ from runtime.auth import AuthError, Need, WorkerCredential, check_grant, current
 from runtime.errors import Refusal
 from runtime.grpc_server import start_server
 from runtime.metrics import Identity, start_metrics
-from runtime.ranks import exit_now, serve_rank
+from runtime.ranks import exit_now, remove_when_failing, serve_rank
 from runtime.service import WorkerServiceBase, serve_until_signal
 from runtime.settings import parse_config, setup_torch
 
@@ -135,6 +135,7 @@ class PrefillWorker(WorkerServiceBase):
         if not self.data_dir:
             self.data_dir = tempfile.mkdtemp(prefix=f"tidekv-{self.worker_id}-")
             self._closing.callback(shutil.rmtree, self.data_dir, ignore_errors=True)
+            remove_when_failing(self.data_dir)  # a lost rank ends this process without the closers
         events = EventQueue()
         cache = model.new_cache(cfg.num_pages, num_slots=2, block_size=cfg.block_size)
         device = None

@@ -14,13 +14,16 @@ Owns the process side of ``engine.parallel``:
   when rank 0 stops it.
 - ``fail_fast``: what any rank does when another is lost (its watch connection closed, or a
   collective failed): deregister the instance at the Conductor (it leaves the registry at once:
-  its requests are retried or migrated, nothing waits for a lease to run out), then exit with
-  ``EXIT_RANK_LOST``. The supervisor (or Kubernetes, or Ray) starts the instance again as a
-  whole: rank 0 starts fresh ranks; a rank whose rank 0 died exits with it.
+  its requests are retried or migrated, nothing waits for a lease to run out), remove what the
+  process made on disk for the instance (``remove_when_failing``: the exit skips every
+  closer), then exit with ``EXIT_RANK_LOST``. The supervisor (or Kubernetes, or Ray) starts the
+  instance again as a whole: rank 0 starts fresh ranks; a rank whose rank 0 died exits with it,
+  removing the private rendezvous rank 0 can no longer remove.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -34,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from runtime.auth import Member, WorkerCredential, derive, load_secret, worker_principal
+from runtime.auth import Member, WorkerCredential, derive, worker_principal
 from runtime.rank_watch import RankLink, RankWatch
 from runtime.settings import argv_of, parse_config, setup_torch
 from runtime.worker_config import WorkerConfig
@@ -44,6 +47,7 @@ log = logging.getLogger(__name__)
 EXIT_RANK_LOST = 3
 PROC_POLL_S = 0.2
 _failing = threading.Lock()
+_made_for_instance: list[str] = []  # what fail_fast removes (remove_when_failing)
 
 
 def failing() -> bool:
@@ -51,16 +55,39 @@ def failing() -> bool:
     return _failing.locked()
 
 
+def remove_when_failing(path: str) -> None:
+    """Has ``fail_fast`` remove ``path`` before it ends this process: that exit runs no closer,
+    and what the process keeps on disk for its instance (a temporary SSD tier, the ranks'
+    private rendezvous) must not outlive it. ``path``: a directory this process made (removed
+    with all it holds), or a file in one another process made (removed, then that directory
+    once it is empty). The owner still removes it on a clean stop. Thread-safe."""
+    _made_for_instance.append(path)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+        os.rmdir(os.path.dirname(path))  # fails, and the directory stays, while it holds anything else
+
+
 def fail_fast(reason: str, deregister_instance: Callable[[str], object] | None) -> None:
-    """Deregisters the instance (at most ~3 s) and ends this process with ``EXIT_RANK_LOST``;
-    never returns. Concurrent callers: the first one does it, the others wait for the exit."""
+    """Deregisters the instance (at most ~3 s) while it removes what was given to
+    ``remove_when_failing``, and ends this process with ``EXIT_RANK_LOST``; never returns.
+    Concurrent callers: the first one does it, the others wait for the exit."""
     if not _failing.acquire(blocking=False):
         time.sleep(3600)
     log.critical("ending this instance: %s", reason)
+    deregistering = None
     if deregister_instance is not None:
-        t = threading.Thread(target=deregister_instance, args=(reason,), daemon=True)
-        t.start()
-        t.join(3.0)
+        deregistering = threading.Thread(target=deregister_instance, args=(reason,), daemon=True)
+        deregistering.start()
+    for path in _made_for_instance:
+        _remove(path)
+    if deregistering is not None:
+        deregistering.join(3.0)
     exit_now(EXIT_RANK_LOST)
 
 
@@ -75,8 +102,8 @@ def exit_now(code: int = 0) -> None:
     os._exit(code)
 
 
-def _watch_key(config: WorkerConfig) -> bytes:
-    return derive(load_secret(config.cluster_secret_file), "rank-watch")
+def _watch_key(member: Member) -> bytes:
+    return derive(member.secret, "rank-watch")
 
 
 def _leader_host(config: WorkerConfig) -> str:
@@ -93,6 +120,7 @@ class _LocalRanks:
 
     def __init__(self, config: WorkerConfig, role: str, worker_id: str, on_lost: Callable[[str], None]):
         self.dir = tempfile.mkdtemp(prefix="tidekv-ranks-")  # mode 0700: only this user meets here
+        remove_when_failing(self.dir)
         self.init_method = f"file://{self.dir}/rendezvous"
         # The ranks' own connections (gloo's pairs, NCCL's bootstrap) on loopback, in every rank.
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
@@ -154,7 +182,8 @@ def instance_model(config: WorkerConfig, role: str, credential: WorkerCredential
     try:
         model = join(spec, on_failure=lost)
         watch_host = config.host if config.dist_init else "127.0.0.1"
-        watch = RankWatch(watch_host, _watch_key(config), credential.instance_id, shape.world_size - 1, lost)
+        watch = RankWatch(watch_host, _watch_key(credential.member), credential.instance_id, shape.world_size - 1,
+                          lost)
         model.channel.ints([watch.port], 1)  # the ranks' first message after joining: where to watch rank 0
         watch.wait_joined(config.dist_timeout_s)
     except (GroupFailed, RuntimeError, ValueError):
@@ -176,15 +205,18 @@ def instance_model(config: WorkerConfig, role: str, credential: WorkerCredential
     return model, close
 
 
-def serve_rank(config: WorkerConfig) -> None:
-    """The life of a rank other than 0 (see the module docstring); returns when rank 0 stops it."""
+def serve_rank(config: WorkerConfig, member: Member | None = None) -> None:
+    """The life of a rank other than 0 (see the module docstring); returns when rank 0 stops it.
+    ``member``: this rank's credential when its process holds the cluster secret already (a Ray
+    rank actor, given it in memory); else it is read from ``config.cluster_secret_file``."""
     from engine.parallel.group import GroupFailed, leave_group
     from engine.parallel.instance import RankSpec, join
 
     setup_torch(config.threads or None)
     if not config.dist_init:
         raise SystemExit(f"rank {config.rank}: --dist-init is required (rank 0 starts its own ranks without it)")
-    member = Member.from_config(config.cluster_secret_file, worker_principal(config.worker_id), config.tls)
+    if member is None:
+        member = Member.from_config(config.cluster_secret_file, worker_principal(config.worker_id), config.tls)
     addresses = [a.strip() for a in config.conductor.split(",") if a.strip()]
     instance = {"id": ""}
 
@@ -193,6 +225,8 @@ def serve_rank(config: WorkerConfig) -> None:
             deregister(addresses, WorkerCredential(member, config.worker_id, instance["id"]), reason)
 
     if os.environ.get("TIDEKV_RANK_PARENT") == "1":  # a child of rank 0: it dies with it, even mid-start
+        # and removes the private rendezvous that a rank 0 killed outright leaves behind
+        remove_when_failing(urlsplit(config.dist_init).path)
         threading.Thread(target=_exit_with_parent, args=(os.getppid(), deregister_instance), name="rank-parent",
                          daemon=True).start()
 
@@ -201,7 +235,7 @@ def serve_rank(config: WorkerConfig) -> None:
     try:
         follower = join(spec)
         port = follower.channel.ints(None, 1)[0]
-        link = RankLink(_leader_host(config), port, _watch_key(config), config.rank,
+        link = RankLink(_leader_host(config), port, _watch_key(member), config.rank,
                         lambda reason: fail_fast(reason, deregister_instance))
         instance["id"] = link.instance_id
         log.info("rank %d of %s following rank 0", config.rank, config.worker_id)

@@ -9,7 +9,10 @@ registers again and serves, while the cluster keeps serving on the others; while
 Conductor replica is down the other serves, and Ray brings it back on its port, caught up
 with every worker; the decode pool is
 scaled to 2 by the ``tidekv scale`` command (a second Ray driver) and back to 1 by the API; the
-cluster stops; then the Ray cluster stops with no Ray or Tidekv process left behind.
+cluster stops; then the Ray cluster stops with no Ray or Tidekv process left behind. No copy
+of the cluster secret stays on disk while the actors serve, and nothing an actor made in the
+temp dir (a secret's file, a temporary SSD tier) outlives it, whether stopped, killed by
+``ray.kill`` or ended by its instance's lost rank.
 """
 
 from __future__ import annotations
@@ -72,6 +75,14 @@ def _ours(temp_dir: str) -> list[str]:
         if temp_dir in cmd or "RoleActor" in cmd:
             out.append(f"{proc.name}: {cmd[:160]}")
     return out
+
+
+def _temp_dirs(*worker_ids: str) -> set[Path]:
+    """Directories in the temp dir (the actors': ``ray start`` hands them this process's
+    environment) holding a cluster secret (``deploy.ray_actors``) or a temporary SSD tier of one
+    of ``worker_ids``. Compared before and after a test: others may have some of their own."""
+    tmp = Path(tempfile.gettempdir())
+    return {p for name in ("secret", *worker_ids) for p in tmp.glob(f"tidekv-{name}-*")}
 
 
 def _listening(address: str) -> bool:
@@ -258,6 +269,7 @@ def check_decode_scales(cluster: RayCluster, reference, ray_address: str) -> Non
 
 
 def test_ray_cluster_lifecycle(ray_head, reference, tmp_path, redis_server):
+    in_tmp = _temp_dirs(*ALL_WORKERS)
     config = RayClusterConfig(
         conductor=ConductorConfig(port=free_port(), policy="round_robin", worker_ttl_s=2.0, insecure_no_auth=True,
                                   index=redis_server.url, index_namespace=f"ray-{secrets.token_hex(4)}"),
@@ -271,6 +283,8 @@ def test_ray_cluster_lifecycle(ray_head, reference, tmp_path, redis_server):
     try:
         cluster.start()
         reports = check_started(cluster, reference)
+        serving = _temp_dirs() - in_tmp
+        assert not serving, f"a cluster secret on disk while the actors serve: {serving}"
         check_status(ray_head, tmp_path)
         check_prefill_actor_restarts(cluster, reference, reports["prefill-0-1"], tmp_path)
         check_conductor_actor_restarts(cluster, reference, reports["conductor"])
@@ -282,6 +296,8 @@ def test_ray_cluster_lifecycle(ray_head, reference, tmp_path, redis_server):
     groups = [i["name"] for i in ray.util.placement_group_table().values()
               if i["name"].startswith(NAMESPACE) and i["state"] != "REMOVED"]
     assert not groups, groups
+    left = _temp_dirs(*ALL_WORKERS) - in_tmp
+    assert not left, f"left in the temp dir by the actors (the killed ones included): {left}"
 
 
 def test_conductor_replicas_on_ray_need_a_shared_store_and_ports_of_their_own():
@@ -297,7 +313,9 @@ def test_conductor_replicas_on_ray_need_a_shared_store_and_ports_of_their_own():
 def test_ray_parallel_instance_one_group_packed_restarts_whole(ray_head, reference):
     """A TP=2 prefill instance on Ray: one placement group of two bundles, PACKed, rank 0 and its
     rank actor in them; it registers once and serves token-exact. Its rank actor killed, the
-    instance ends (both actors exit), Ray restarts both, they meet again and it serves again."""
+    instance ends (both actors exit), Ray restarts both, they meet again and it serves again.
+    Neither leaves anything in the temp dir: rank 0's temporary SSD tier goes with its instance."""
+    in_tmp = _temp_dirs("prefill-0-0", "decode-0-0")
     config = RayClusterConfig(
         conductor=ConductorConfig(port=free_port(), policy="round_robin", worker_ttl_s=2.0, insecure_no_auth=True),
         prefill=PrefillConfig(block_size=BLOCK, num_pages=256, drain_timeout_s=10, tp=2),
@@ -325,7 +343,11 @@ def test_ray_parallel_instance_one_group_packed_restarts_whole(ray_head, referen
             raise
         wait_until(lambda: "prefill-0-0" in cluster.registered(), 60, "the instance registered again")
         check_exact(cluster.endpoint, reference, salt=900)
+        serving = _temp_dirs() - in_tmp
+        assert not serving, f"a cluster secret on disk while the actors serve: {serving}"
     finally:
         cluster.stop(grace_s=10)
     named = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
     assert not named, named
+    left = _temp_dirs("prefill-0-0", "decode-0-0") - in_tmp
+    assert not left, f"left in the temp dir by the instance's actors (the ended ones included): {left}"

@@ -5,7 +5,9 @@ moves to the other decode instance), and rank 0 itself mid-decode (its ranks see
 deregister for it). Every request finishes token-exact against ``engine.generate``; the
 instance leaves the registry by deregistering (the Conductor's log says so: no lease had to run
 out), is started again as a whole by the supervisor and serves again. The tests assert where
-requests went and what the logs and registry say, never how long anything took."""
+requests went and what the logs and registry say, never how long anything took. Nothing of the
+lost instance stays on disk: its ranks' private rendezvous directory is gone once its ranks
+have exited (removed by whichever rank ended the instance, even when rank 0 was SIGKILLed)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -74,6 +78,14 @@ def _exit_of(cluster, name: str, pid: int, timeout_s: float = 60.0) -> str:
     raise AssertionError(f"no crash of {name} pid {pid} seen")
 
 
+def _rendezvous_dir(rank_pid: int) -> Path:
+    """The private directory of the rendezvous rank 0 gave this rank (``--dist-init file://DIR/rendezvous``)."""
+    argv = Path(f"/proc/{rank_pid}/cmdline").read_bytes().decode().split("\0")
+    init = argv[argv.index("--dist-init") + 1]
+    assert init.startswith("file://"), init
+    return Path(urlsplit(init).path).parent
+
+
 def _running_prefill(cluster, timeout_s: float = 60.0) -> str:
     """The prefill worker whose heartbeat shows a running prefill."""
     until = time.monotonic() + timeout_s
@@ -96,6 +108,8 @@ def test_rank_killed_mid_prefill(cluster, reference):
     old_pid = cluster.procs[victim].pid
     before = _deregistrations(cluster, victim)
     (rank1,) = rank_pids(old_pid)
+    rendezvous = _rendezvous_dir(rank1)
+    assert rendezvous.is_dir()
     os.kill(rank1, signal.SIGKILL)
     t.join(240)
     out = result["out"]
@@ -103,6 +117,7 @@ def test_rank_killed_mid_prefill(cluster, reference):
     assert out.token_ids == engine.generate(reference, ids, 8)
     assert out.prefill_worker != victim  # retried on the other instance: the kill was mid-prefill
     assert _exit_of(cluster, victim, old_pid) == "exited with 3"  # runtime.ranks.EXIT_RANK_LOST
+    assert not rendezvous.exists()  # rank 0 removed it before it exited
     assert _deregistrations(cluster, victim) == before + 1
     _wait_back(cluster, victim, old_pid)
     again = prompt(300, 42)
@@ -132,11 +147,13 @@ def test_rank_killed_mid_decode(cluster, reference, which):
     ids = prompt(60, 43 if which == "rank 1" else 44)
     expected = engine.generate(reference, ids, 500)
     killed: dict[str, int] = {}
+    rendezvous: list[Path] = []
 
     def kill(name: str) -> None:
         rank0 = cluster.procs[name].pid
         (rank1,) = rank_pids(rank0)
         killed.update(rank0=rank0, rank1=rank1, before=_deregistrations(cluster, name))
+        rendezvous.append(_rendezvous_dir(rank1))
         if which == "rank 1":
             os.kill(rank1, signal.SIGKILL)
         else:
@@ -156,6 +173,7 @@ def test_rank_killed_mid_decode(cluster, reference, which):
     while _alive(killed["rank1"]):
         assert time.monotonic() < until, "the old rank 1 outlived its instance"
         time.sleep(0.1)
+    assert not rendezvous[0].exists()  # removed by the rank that ended the instance, before it exited
     outs = run_all(cluster.endpoint, [Client.request(ids, max_tokens=20) for _ in range(2)])
     assert {o.decode_worker for o in outs} == {"decode-0", "decode-1"}
     assert all(o.token_ids == expected[:20] for o in outs)

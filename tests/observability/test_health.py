@@ -62,7 +62,7 @@ def procs():
         p.wait(timeout=30)
 
 
-def test_readiness_follows_registration_and_drain(procs):
+def test_readiness_follows_registration_and_drain(procs, tmp_path):
     cport, pport, dport = free_port(), free_port(), free_port()
     conductor = f"127.0.0.1:{cport}"
     procs.append(spawn("--role", "conductor", "--port", str(cport), "--insecure-no-auth"))
@@ -74,7 +74,9 @@ def test_readiness_follows_registration_and_drain(procs):
     decode = f"127.0.0.1:{dport}"
     assert wait_status(decode, SERVING) == SERVING  # registered
     assert status(conductor) == NOT_SERVING  # still no prefill worker
-    procs.append(spawn("--role", "prefill", "--port", str(pport), "--worker-id", "p0", *worker))
+    # its SSD tier under tmp_path: the teardown SIGKILLs it, and a temporary one would stay in /tmp
+    procs.append(spawn("--role", "prefill", "--port", str(pport), "--worker-id", "p0", "--data-dir",
+                       str(tmp_path / "p0"), *worker))
     assert wait_status(conductor, SERVING) == SERVING
     assert status(conductor, "tidekv.v1.Inference") == SERVING
 
