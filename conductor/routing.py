@@ -324,7 +324,7 @@ def decode_need_pages(request: RouteRequest) -> int:
 def fitting_decode(snapshot: ClusterSnapshot, request: RouteRequest) -> tuple[WorkerView, ...]:
     """Decode workers with room for the whole sequence, in snapshot order; empty if none."""
     need = decode_need_pages(request)
-    return tuple(w for w in snapshot.decode if w.num_free_pages >= need)
+    return tuple([w for w in snapshot.decode if w.num_free_pages >= need])
 
 
 def admission_rejection(snapshot: ClusterSnapshot, request: RouteRequest) -> Rejection | None:

@@ -188,7 +188,7 @@ def _memo_prefill_view(memo: ViewMemo, entry: RegistryEntry, pending: PendingVie
     groups), the matched prefix (usable blocks, slowest tier) and the pace. A worker that holds
     jobs this Conductor routed is made anew: its head job's elapsed time moves with the clock
     (``_with_head_running``)."""
-    w, load = entry.worker_id, entry.load
+    w, load = entry.info.worker_id, entry.load
     if pending.in_prefill.get(w):
         return _prefill_view(entry, pending, m, pace, now_s)
     usable = m.num_blocks_usable if m is not None else 0
@@ -208,7 +208,7 @@ def _memo_prefill_view(memo: ViewMemo, entry: RegistryEntry, pending: PendingVie
 def _memo_decode_view(memo: ViewMemo, entry: RegistryEntry, pending: PendingView) -> WorkerView:
     """``_decode_view``, or the same view as last time when its registration, load and overlay
     groups are the same objects (a decode view does not depend on the load's age)."""
-    w = entry.worker_id
+    w = entry.info.worker_id
     own, ended, jobs = pending.on_decode.get(w), pending.ended_on_decode.get(w), pending.decode_jobs.get(w)
     hit = memo.decode.get(w)
     if (hit is not None and hit[0] is entry.info and hit[1] is entry.load and hit[2] is own and hit[3] is ended
@@ -235,16 +235,16 @@ def build_snapshot(registry: Sequence[RegistryEntry], matches: MatchSnapshot | N
     # A match with no usable block reads as none (most workers of a large cluster).
     by_worker = {m.worker_id: m for m in matches.matches if m.num_blocks_usable} if matches is not None else {}
     prefill, decode = [], []
+    decode_role, match_of, pace_of = WorkerRole.DECODE, by_worker.get, paces.get  # once, not per worker
     for entry in registry:
         info = entry.info
         w = info.worker_id
-        if info.role is WorkerRole.DECODE:
+        if info.role is decode_role:
             decode.append(_decode_view(entry, pending) if memo is None else _memo_decode_view(memo, entry, pending))
         elif memo is None:
-            prefill.append(_prefill_view(entry, pending, by_worker.get(w), paces.get(w) or unseen(), now_s))
+            prefill.append(_prefill_view(entry, pending, match_of(w), pace_of(w) or unseen(), now_s))
         else:
-            pace = paces.get(w) or unseen()
-            prefill.append(_memo_prefill_view(memo, entry, pending, by_worker.get(w), pace, now_s))
+            prefill.append(_memo_prefill_view(memo, entry, pending, match_of(w), pace_of(w) or unseen(), now_s))
     # Made without ClusterSnapshot's checks (two passes over every worker, per decision): each
     # view's role is set above from the registry's, whose worker ids are unique.
     snapshot = object.__new__(ClusterSnapshot)
