@@ -35,6 +35,9 @@ class SimCluster:
         self._loads: dict[str, WorkerLoad] = {}
         self._entries: list[WorkerInfo] | None = None  # registry order, made once
         self._made: list[RegistryEntry | None] = []  # the entries last handed out, in that order
+        self._position: dict[str, int] = {}  # worker id -> its place in that order
+        self._stale: set[str] = set()  # workers whose load changed since the last registry view
+        self._listing: set[str] = set()  # workers whose load lists prefill jobs
         self.last_match: MatchSnapshot | None = None
 
     def add(self, worker: SimPrefill | SimDecode) -> None:
@@ -48,7 +51,7 @@ class SimCluster:
                           cpp_chunk_tokens=worker.config.cpp_chunk_tokens if stages > 1 else 0)
         self._infos[worker.worker_id] = info
         self.index.register(info)
-        self._loads[worker.worker_id] = worker.load()
+        self._set_load(worker.worker_id, worker.load())
         self._entries = None
 
     def start_heartbeats(self) -> None:
@@ -72,9 +75,16 @@ class SimCluster:
         next_s = phase + interval * max(0, int((self.loop.now - phase) // interval) + 1)
         self.loop.at(next_s, self._beat, worker)
 
+    def _set_load(self, worker_id: str, load: WorkerLoad) -> None:
+        self._loads[worker_id] = load
+        self._stale.add(worker_id)
+        if load.prefill_jobs:
+            self._listing.add(worker_id)
+        else:
+            self._listing.discard(worker_id)
+
     def _beat(self, worker: SimPrefill | SimDecode) -> None:
-        load = worker.load()
-        self._loads[worker.worker_id] = load
+        self._set_load(worker.worker_id, worker.load())
         if worker.idle:
             self._beating.discard(worker.worker_id)
         else:
@@ -85,16 +95,19 @@ class SimCluster:
         """Every worker's entry: prefill workers then decode workers, each by id. An entry is
         made again when its worker's load changed or the load lists prefill jobs; any other
         keeps the age it was made with, which nothing reads (the snapshot reads a load's age
-        only to advance the jobs it lists), so a decision does not remake one per worker."""
+        only to advance the jobs it lists), so a decision costs the entries remade, not a pass
+        over every worker."""
         if self._entries is None:  # infos fixed
             self._entries = [self._infos[wid] for workers in (self.prefill, self.decode) for wid in sorted(workers)]
-            self._made = [None] * len(self._entries)
-        loads, made, entry = self._loads, self._made, RegistryEntry.of
-        for i, info in enumerate(self._entries):
-            load = loads[info.worker_id]
-            last = made[i]
-            if last is None or last.load is not load or load.prefill_jobs:
-                made[i] = entry(info, load, max(0.0, wall_now_s - load.timestamp_s))
+            self._position = {info.worker_id: i for i, info in enumerate(self._entries)}
+            self._made = [None] * len(self._entries)  # every worker is stale: all made below
+            self._stale.update(self._position)
+        loads, made, entries, position, entry = self._loads, self._made, self._entries, self._position, RegistryEntry.of
+        for w in self._stale.union(self._listing):
+            i = position[w]
+            load = loads[w]
+            made[i] = entry(entries[i], load, max(0.0, wall_now_s - load.timestamp_s))
+        self._stale.clear()
         return tuple(made)
 
     def match(self, keys: Sequence[BlockKey]) -> MatchSnapshot | None:
