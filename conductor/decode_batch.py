@@ -11,6 +11,7 @@ and sums are integers, and each search evaluates the policy's own comparison on 
 values (monotone in them), so the answers are exactly those of a pass over the jobs::
 
     running jobs by remaining tokens (ascending)   r0 <= r1 <= ... <= r(k-1)
+    their leave times at step_s                    r0 * step_s <= ... (made once per step time)
     staying at at_s: those with r * step_s > at_s  = rj .. r(k-1), the first j by bisection
     their tokens                                   = tokens_from[j]
 
@@ -53,10 +54,19 @@ class BatchIndex:
         """Running jobs (and their tokens) that have not generated their remaining tokens
         ``at_s`` seconds from now at ``step_s`` a token: ``remaining * step_s > at_s``, which
         rises with ``remaining`` for ``step_s >= 0`` (the cost models' coefficients are)."""
+        return self.staying_at(self.leave_times(step_s), at_s)
+
+    def leave_times(self, step_s: float) -> tuple[float, ...]:
+        """The running jobs' ``remaining * step_s``, ascending (``step_s >= 0``): what
+        ``staying`` compares, made once for a step time that many predictions share (the
+        policy keeps it per decode view)."""
         assert step_s >= 0, step_s
-        if not self.remaining:
-            return 0, 0
-        first = bisect_right(self.remaining, at_s, key=lambda r: r * step_s)
+        return tuple([r * step_s for r in self.remaining])
+
+    def staying_at(self, leave_times: tuple[float, ...], at_s: float) -> tuple[int, int]:
+        """``staying(step_s, at_s)`` given ``leave_times(step_s)``: the first leave time past
+        ``at_s`` by bisection."""
+        first = bisect_right(leave_times, at_s)
         return self.num_running - first, self.tokens_from[first]
 
     def joining(self, now_s: float, until_s: float) -> tuple[int, int]:

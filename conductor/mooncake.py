@@ -173,27 +173,28 @@ def choose_prefill(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cost
 class DecodeBasis(NamedTuple):
     """What a decode worker's batch predictions read of its view before the request's own
     numbers: its known jobs indexed, the running requests (and their context tokens) its
-    heartbeat counts beyond them (another Conductor's), and its step time now. One per view:
+    heartbeat counts beyond them (another Conductor's), and when each known running job leaves
+    at its step time now. One per view:
     the policy keeps it while the snapshot hands out the same view (``conductor.snapshot``)."""
 
     index: BatchIndex
     other: int
     other_tokens: int
-    step_s: float
+    leave_times: tuple[float, ...]  # the index's, at the step time now
 
     @classmethod
     def of(cls, worker: WorkerView, costs: CostModels) -> DecodeBasis:
         index = batch_index(worker.decode_jobs)
+        step_s = costs.decode_step_s(max(1, worker.num_running), worker.num_context_tokens)
         return cls(index, max(0, worker.num_running - index.num_running),
-                   max(0, worker.num_context_tokens - index.running_tokens),
-                   costs.decode_step_s(max(1, worker.num_running), worker.num_context_tokens))
+                   max(0, worker.num_context_tokens - index.running_tokens), index.leave_times(step_s))
 
 
 def _staying(basis: DecodeBasis, request: RouteRequest, at_s: float) -> tuple[int, int]:
     """Batch size and context tokens on the worker ``at_s`` seconds from now, before anyone
     joins: running requests this Conductor does not know, the known running ones that have not
     generated their remaining tokens by then, and this request."""
-    num_staying, staying_tokens = basis.index.staying(basis.step_s, at_s)
+    num_staying, staying_tokens = basis.index.staying_at(basis.leave_times, at_s)
     return basis.other + num_staying + 1, basis.other_tokens + staying_tokens + request.num_prompt_tokens
 
 
