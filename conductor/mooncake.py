@@ -129,7 +129,7 @@ def _option_rows(snapshot: ClusterSnapshot, request: RouteRequest, costs: CostMo
                 unit_s = single_s[local] = costs.prefill_s(n - local * bs, local * bs)
         slowdown, handoff_s, worker_id = w.slowdown, w.handoff_s, w.worker_id
         start_s = w.dispatch_s + wait
-        prefill_s = unit_s * slowdown + handoff_s
+        prefill_s = unit_s * slowdown + handoff_s  # worker_prefill_s, written out (per worker per decision)
         rows.append((start_s + 0.0 + prefill_s, wait, worker_id, False, w, own, local_branch if local else cold_branch,
                      0.0, prefill_s))
         if may_replicate and best.worker_id != worker_id and best_blocks > config.balancing_threshold * local:

@@ -121,7 +121,7 @@ class SummaryBuilder:
 
     def __init__(self, spill_values: int = 1 << 16, directory: str | None = None) -> None:
         # 64 Ki values (512 KiB) a column in memory: a million-request run's columns are on disk
-        # past its first few percent, so its memory stays where it is from there.
+        # past its first few percent, so the columns' memory stays where it is from there.
         def col() -> FloatColumn:
             return FloatColumn(spill_values=spill_values, directory=directory)
 
