@@ -20,6 +20,7 @@ import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from clusterstate.workers import PrefillJobLoad, WorkerInfo, WorkerLoad, WorkerRole
 from conductor.decode_batch import DecodeJobs
@@ -79,44 +80,77 @@ class RegistryEntry:
         return self.info.transfer_address
 
 
-def _prefill_jobs(entry: RegistryEntry, pending: PendingView, now_s: float) -> tuple[PrefillJobLoad, ...]:
+class JobsTemplate(NamedTuple):
+    """A prefill worker's jobs as the snapshot sees them, less the clock: what its heartbeat
+    lists (less what this Conductor saw leave) and then this Conductor's jobs it does not list.
+    ``aged``: the listed running jobs, whose elapsed time grows by the heartbeat's age; ``head``:
+    the job made running by ``_running_head`` when nothing else runs, from ``start_s``
+    (None: none). Made when the worker's inputs change, read on every decision (``_timed_jobs``)."""
+
+    jobs: tuple[PrefillJobLoad, ...]
+    aged: tuple[int, ...]
+    head: int | None
+    start_s: float
+    others_run: bool  # a job outside ``aged`` runs: no head is made running
+
+
+def _jobs_template(entry: RegistryEntry, pending: PendingView) -> JobsTemplate:
     w = entry.worker_id
     own = pending.prefill_jobs.get(w, ())
     if not entry.load.prefill_jobs:
-        return _with_head_running(own, w, pending, now_s)  # the heartbeat lists nothing: every job is ours
-    left = pending.left_prefill.get(w, frozenset())
-    age_s = entry.load_age_s
-    # A queued job (elapsed 0) is listed as it is; a running one has run for the load's age more.
-    jobs = [j if j.elapsed_s == 0 else PrefillJobLoad(j.request_id, j.num_new_tokens, j.num_reused_tokens,
-                                                      j.elapsed_s + age_s if j.elapsed_s > 0 else 0.0)
-            for j in entry.load.prefill_jobs if request_of(j.request_id) not in left]
-    if own:
-        listed = {request_of(j.request_id) for j in entry.load.prefill_jobs}
-        jobs += [j for j in own if j.request_id not in listed]
-    return _with_head_running(tuple(jobs), w, pending, now_s)
+        jobs, aged = own, ()  # the heartbeat lists nothing: every job is ours
+    else:
+        left = pending.left_prefill.get(w, frozenset())
+        kept = [j for j in entry.load.prefill_jobs if request_of(j.request_id) not in left]
+        aged = tuple(i for i, j in enumerate(kept) if j.elapsed_s != 0)  # a queued job is listed as it is
+        if own:
+            listed = {request_of(j.request_id) for j in entry.load.prefill_jobs}
+            kept += [j for j in own if j.request_id not in listed]
+        jobs = tuple(kept)
+    others_run = any(j.elapsed_s > 0 for i, j in enumerate(jobs) if i not in aged)
+    head, start_s = _running_head(jobs, w, pending)
+    return JobsTemplate(jobs, aged, head, start_s, others_run)
 
 
-def _with_head_running(jobs: tuple[PrefillJobLoad, ...], worker_id: str, pending: PendingView,
-                       now_s: float) -> tuple[PrefillJobLoad, ...]:
-    """``jobs`` with the one running, when none is known to run: the worker runs its prefills
-    one at a time and starts the next when one ends, so of this Conductor's jobs there the one
-    routed first has run since it was routed or since the last prefill this Conductor saw end
-    there, whichever is later. Without it a job that is half done would count in full in the
-    next request's queue (a heartbeat lists it as running only every interval)."""
+def _running_head(jobs: tuple[PrefillJobLoad, ...], worker_id: str, pending: PendingView) -> tuple[int | None, float]:
+    """The worker runs its prefills one at a time and starts the next when one ends, so of this
+    Conductor's jobs there the one routed first has run since it was routed or since the last
+    prefill this Conductor saw end there, whichever is later: its index in ``jobs`` and that
+    moment. Without it a job that is half done would count in full in the next request's queue
+    (a heartbeat lists it as running only every interval)."""
     records = pending.in_prefill.get(worker_id)
-    if not records or not jobs or any(j.elapsed_s > 0 for j in jobs):
-        return jobs  # (none: a retry routed back here while the heartbeat lists the placement that left)
+    if not records or not jobs:
+        return None, 0.0
     first = records[0]  # the overlay keeps a worker's jobs in routing order
-    elapsed_s = now_s - max(first.routed_at_s, pending.prefill_free_at_s.get(worker_id, first.routed_at_s))
-    if elapsed_s <= 0:
-        return jobs
     head = 0 if jobs[0].request_id == first.request_id else next(
         (i for i, j in enumerate(jobs) if request_of(j.request_id) == first.request_id), None)
-    if head is None:  # a retry whose earlier placement the heartbeat still lists
+    # (None: a retry whose earlier placement the heartbeat still lists)
+    return head, max(first.routed_at_s, pending.prefill_free_at_s.get(worker_id, first.routed_at_s))
+
+
+def _timed_jobs(template: JobsTemplate, age_s: float, now_s: float) -> tuple[PrefillJobLoad, ...]:
+    """The template's jobs at ``now_s`` with a heartbeat ``age_s`` old: a listed running job
+    has run for the load's age more; when none runs, the head has run since its start."""
+    jobs, aged, head = template.jobs, template.aged, template.head
+    if aged:
+        jobs = list(jobs)
+        for i in aged:
+            j = jobs[i]
+            jobs[i] = PrefillJobLoad(j.request_id, j.num_new_tokens, j.num_reused_tokens,
+                                     j.elapsed_s + age_s if j.elapsed_s > 0 else 0.0)
+        jobs = tuple(jobs)
+    if head is None or template.others_run or any(jobs[i].elapsed_s > 0 for i in aged):
+        return jobs
+    elapsed_s = now_s - template.start_s
+    if elapsed_s <= 0:
         return jobs
     j = jobs[head]
     return (*jobs[:head], PrefillJobLoad(j.request_id, j.num_new_tokens, j.num_reused_tokens, elapsed_s),
             *jobs[head + 1:])
+
+
+def _prefill_jobs(entry: RegistryEntry, pending: PendingView, now_s: float) -> tuple[PrefillJobLoad, ...]:
+    return _timed_jobs(_jobs_template(entry, pending), entry.load_age_s, now_s)
 
 
 @functools.lru_cache(maxsize=256)
@@ -167,13 +201,14 @@ class ViewMemo:
         self.decode: dict[str, tuple] = {}
 
 
-def _prefill_view(entry: RegistryEntry, pending: PendingView, m, pace: Pace, now_s: float) -> WorkerView:
+def _prefill_view(entry: RegistryEntry, pending: PendingView, m, pace: Pace, now_s: float,
+                  jobs: tuple[PrefillJobLoad, ...] | None = None) -> WorkerView:
     usable = m.num_blocks_usable if m is not None else 0
     info, load = entry.info, entry.load
     return _view(
         worker_id=info.worker_id, role=WorkerRole.PREFILL, rpc_address=info.rpc_address,
-        transfer_address=info.transfer_address, num_free_pages=load.num_free_pages,
-        num_running=load.num_running, prefill_jobs=_prefill_jobs(entry, pending, now_s), usable_blocks=usable,
+        transfer_address=info.transfer_address, num_free_pages=load.num_free_pages, num_running=load.num_running,
+        prefill_jobs=_prefill_jobs(entry, pending, now_s) if jobs is None else jobs, usable_blocks=usable,
         usable_tier=m.slowest_usable_tier if usable else None, slowdown=pace.slowdown,
         handoff_s=pace.handoff_s, dispatch_s=pace.dispatch_s,
         cpp_stages=info.cpp_stages, cpp_chunk_tokens=info.cpp_chunk_tokens,
@@ -182,27 +217,35 @@ def _prefill_view(entry: RegistryEntry, pending: PendingView, m, pace: Pace, now
 
 def _memo_prefill_view(memo: ViewMemo, entry: RegistryEntry, pending: PendingView, m, pace: Pace,
                        now_s: float) -> WorkerView:
-    """``_prefill_view``, or the same view as last time when nothing it reads has changed: the
-    registration and load (the same objects), the load's age (only read when the heartbeat
-    lists jobs), this Conductor's jobs there and the requests that left it (the overlay's
-    groups), the matched prefix (usable blocks, slowest tier) and the pace. A worker that holds
-    jobs this Conductor routed is made anew: its head job's elapsed time moves with the clock
-    (``_with_head_running``)."""
+    """``_prefill_view``, from what was kept of the last one when nothing it reads but the
+    clock has changed: the registration and load (the same objects), this Conductor's jobs
+    there, the requests that left it and the one it runs first (the overlay's groups), when
+    that one started, the matched prefix (usable blocks, slowest tier) and the pace. Then the
+    jobs' template (``JobsTemplate``) is kept, and with no job whose elapsed time moves with
+    the clock so is the view itself; otherwise only the jobs are timed and the view copied."""
     w, load = entry.info.worker_id, entry.load
-    if pending.in_prefill.get(w):
-        return _prefill_view(entry, pending, m, pace, now_s)
     usable = m.num_blocks_usable if m is not None else 0
     tier = m.slowest_usable_tier if usable else None
-    listed = bool(load.prefill_jobs)
-    age = entry.load_age_s if listed else None
-    own, left = pending.prefill_jobs.get(w), pending.left_prefill.get(w) if listed else None
+    own, records = pending.prefill_jobs.get(w), pending.in_prefill.get(w)
+    left = pending.left_prefill.get(w) if load.prefill_jobs else None
+    free_at = pending.prefill_free_at_s.get(w) if records else None
     hit = memo.prefill.get(w)
-    if (hit is not None and hit[0] is entry.info and hit[1] is load and hit[2] == age and hit[3] is own
-            and hit[4] is left and hit[5] == usable and hit[6] is tier and (hit[7] is pace or hit[7] == pace)):
-        return hit[8]
-    view = _prefill_view(entry, pending, m, pace, now_s)
-    memo.prefill[w] = (entry.info, load, age, own, left, usable, tier, pace, view)
-    return view
+    if (hit is not None and hit[0] is entry.info and hit[1] is load and hit[2] is own and hit[3] is left
+            and hit[4] is records and hit[5] == free_at and hit[6] == usable and hit[7] is tier
+            and (hit[8] is pace or hit[8] == pace)):
+        template, view = hit[9], hit[10]
+    else:
+        template = _jobs_template(entry, pending)
+        view = _prefill_view(entry, pending, m, pace, now_s, template.jobs)
+        memo.prefill[w] = (entry.info, load, own, left, records, free_at, usable, tier, pace, template, view)
+    if not template.aged and (template.head is None or template.others_run):
+        return view  # no job's elapsed time moves with the clock
+    jobs = _timed_jobs(template, entry.load_age_s, now_s)
+    if jobs is template.jobs:
+        return view
+    timed = object.__new__(WorkerView)
+    timed.__dict__.update(view.__dict__, prefill_jobs=jobs)
+    return timed
 
 
 def _memo_decode_view(memo: ViewMemo, entry: RegistryEntry, pending: PendingView) -> WorkerView:
