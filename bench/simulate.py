@@ -184,8 +184,9 @@ class _RssProbe:
 
 BIG_WORKERS = 128
 BIG_RATE = 16.0  # 16x the workers of the 8+8 runs at 16x the trace's rate: the same load per worker
-# Bounded tiers (about 1,400 blocks a worker, ~180k in the cluster: four copies of the trace's
-# blocks), so the stores are full after the first ~16k requests and memory is flat from there.
+# Bounded tiers (about 1,440 blocks a worker, ~184k in the cluster: four copies of the trace's
+# blocks): the stores are 88% full after 20k requests and full after ~160k, and memory is flat
+# from there (docs/architecture.md).
 BIG_PREFILL = PrefillConfig(device_bytes=1 << 30, dram_bytes=0, ssd_bytes=0)
 
 
