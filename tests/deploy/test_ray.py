@@ -338,8 +338,10 @@ def test_ray_parallel_instance_one_group_packed_restarts_whole(ray_head, referen
             wait_until(lambda: next((r for r in cluster.reports() if r.name == "prefill-0-0" and r.pid != before.pid
                                      and r.ready), None), 150, "the instance restarted as a whole")
         except AssertionError:
+            from ray.util.state import list_actors  # (not imported by ``ray.util`` itself)
+
             print("DIAG", before, cluster.reports(), ray.util.list_named_actors(all_namespaces=True),
-                  [(a["name"], a["state"], a.get("num_restarts")) for a in ray.util.state.list_actors()])
+                  [(a["name"], a["state"], a.get("num_restarts")) for a in list_actors()])
             raise
         wait_until(lambda: "prefill-0-0" in cluster.registered(), 60, "the instance registered again")
         check_exact(cluster.endpoint, reference, salt=900)
