@@ -33,7 +33,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,17 +190,17 @@ class RoleActor:
 class RankActor:
     """A rank other than 0 of a worker instance (``runtime.ranks.serve_rank``), following rank
     0's schedule on a thread. It asks rank 0's actor (``leader``) for the rendezvous at every
-    (re)start; when the instance loses a rank this process exits, and Ray restarts it into the
-    instance's next start. The rank runs in this process, so it is given the cluster secret in
-    memory: no file of it is ever written."""
+    (re)start, until that actor names one (``leader_rendezvous``); when the instance loses a
+    rank this process exits, and Ray restarts it into the instance's next start. The rank runs
+    in this process, so it is given the cluster secret in memory: no file of it is ever written."""
 
     def __init__(self, role: str, config: Any, secret: str, leader: str, namespace: str):
         setup_torch(getattr(config, "threads", 0) or 1)
-        dist_init, until = "", time.monotonic() + 300
-        while not dist_init and time.monotonic() < until:  # "" from a rank 0 that is ending: wait for its restart
-            dist_init = ray.get(ray.get_actor(leader, namespace=namespace).dist_init.remote(), timeout=300)
-            time.sleep(0 if dist_init else 0.5)
-        self.config = dataclasses.replace(config, dist_init=dist_init)
+
+        def ask() -> str:
+            return ray.get(ray.get_actor(leader, namespace=namespace).dist_init.remote(), timeout=30)
+
+        self.config = dataclasses.replace(config, dist_init=leader_rendezvous(ask, leader, RENDEZVOUS_WAIT_S))
         member = Member(secret.encode(), worker_principal(config.worker_id), config.tls)
         from runtime.ranks import serve_rank
 
@@ -212,6 +212,31 @@ class RankActor:
 
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+
+RENDEZVOUS_WAIT_S = 300.0
+RENDEZVOUS_POLL_S = 0.5
+
+
+def leader_rendezvous(ask: Callable[[], str], leader: str, wait_s: float) -> str:
+    """Rank 0's rendezvous, asked of its actor (``ask``) until it names one. A rank restarts while
+    its rank 0 ends the instance or is itself restarted by Ray, so until then rank 0 answers ""
+    (ending) or not at all (its process gone, or not yet rebuilt): both mean "ask again", not
+    "give up"; an exception from the asking would fail this actor's creation, which Ray never
+    retries, and leave the instance's next start waiting for a rank that is gone.
+    RuntimeError once ``wait_s`` passes without an answer."""
+    until, last = time.monotonic() + wait_s, "it answered that its instance is ending"
+    while True:
+        try:
+            dist_init = ask()
+            if dist_init:
+                return dist_init
+            last = "it answered that its instance is ending"
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError) as e:
+            last = f"{type(e).__name__}: {e}".splitlines()[0]  # ValueError: no such named actor (yet)
+        if time.monotonic() > until:
+            raise RuntimeError(f"rank 0's actor {leader} named no rendezvous within {wait_s:.0f} s; last: {last}")
+        time.sleep(RENDEZVOUS_POLL_S)
 
 
 @functools.cache

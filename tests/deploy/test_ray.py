@@ -51,6 +51,7 @@ import engine  # noqa: E402
 from conductor.client import Client  # noqa: E402
 from conductor.config import ConductorConfig  # noqa: E402
 from decode_worker.config import DecodeConfig  # noqa: E402
+from deploy import ray_actors  # noqa: E402
 from deploy.local import free_port  # noqa: E402
 from deploy.ray_launcher import RayCluster, RayClusterConfig, connect  # noqa: E402
 from openai_api.config import FrontConfig  # noqa: E402
@@ -310,6 +311,30 @@ def test_conductor_replicas_on_ray_need_a_shared_store_and_ports_of_their_own():
         (50051, 9400), (50052, 9401), (50053, 9402)]
 
 
+def test_a_restarted_rank_asks_its_restarting_rank_0_again_until_it_names_a_rendezvous(monkeypatch):
+    """A rank restarted by Ray asks rank 0's actor while that one ends its instance ("") and
+    while Ray restarts it (the call raises): it asks again, since an exception would fail its
+    actor's creation for good (Ray never retries that). It gives up, naming the last answer,
+    once the wait is over."""
+    monkeypatch.setattr(ray_actors, "RENDEZVOUS_POLL_S", 0.0)
+    answers = iter(["", ray.exceptions.ActorUnavailableError("restarting", None),
+                    ValueError("Failed to look up actor with name 'prefill-0-0'"), "tcp://10.0.0.7:29500"])
+
+    def ask() -> str:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert ray_actors.leader_rendezvous(ask, "prefill-0-0", 60.0) == "tcp://10.0.0.7:29500"
+
+    def restarting() -> str:
+        raise ray.exceptions.ActorUnavailableError("restarting", None)
+
+    with pytest.raises(RuntimeError, match=r"prefill-0-0 named no rendezvous within 0 s; last: ActorUnavailable"):
+        ray_actors.leader_rendezvous(restarting, "prefill-0-0", 0.0)
+
+
 def test_ray_parallel_instance_one_group_packed_restarts_whole(ray_head, reference):
     """A TP=2 prefill instance on Ray: one placement group of two bundles, PACKed, rank 0 and its
     rank actor in them; it registers once and serves token-exact. Its rank actor killed, the
@@ -338,10 +363,10 @@ def test_ray_parallel_instance_one_group_packed_restarts_whole(ray_head, referen
             wait_until(lambda: next((r for r in cluster.reports() if r.name == "prefill-0-0" and r.pid != before.pid
                                      and r.ready), None), 150, "the instance restarted as a whole")
         except AssertionError:
-            from ray.util.state import list_actors  # (not imported by ``ray.util`` itself)
+            from ray._private.state import actors  # the GCS's table: no dashboard runs here
 
-            print("DIAG", before, cluster.reports(), ray.util.list_named_actors(all_namespaces=True),
-                  [(a["name"], a["state"], a.get("num_restarts")) for a in list_actors()])
+            print("DIAG", before, cluster.reports(),
+                  [(a["Name"], a["State"], a.get("NumRestarts"), a.get("DeathCause")) for a in actors().values()])
             raise
         wait_until(lambda: "prefill-0-0" in cluster.registered(), 60, "the instance registered again")
         check_exact(cluster.endpoint, reference, salt=900)
