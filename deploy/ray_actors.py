@@ -14,11 +14,11 @@ metrics port + R) when they are fixed, so replicas that share a node do not coll
 Every actor but the HTTP front (which signs nothing: it calls the Conductor's public endpoint
 with its clients' API keys) gets the cluster secret (``runtime.auth``) as an argument: the one
 in the Conductor config's ``cluster_secret_file`` when the driver has it, else a new one; the
-Conductor actor keeps it for later scale-ups. A ``RoleActor`` writes it to a file of its own
-(mode 0600 in a 0700 directory) only while its service is built and started, which is when
-the service reads it, and removes it then: no copy stays on disk while the actor serves, so
-none outlives it however it ends (``ray.kill``, a lost rank's exit). A ``RankActor`` hands it
-to its rank in memory. Ray's own channels carry it, so whoever may drive the Ray cluster holds
+Conductor actor keeps it for later scale-ups. A ``RoleActor`` hands it to its service as an
+in-memory file (``memfd``, read through ``/proc/<pid>/fd``) only while the service is built
+and started, which is when the service reads it: no copy is ever on disk, so none outlives
+the actor however it ends (``ray.kill``, SIGKILL, a lost rank's exit). A ``RankActor`` hands
+it to its rank in memory. Ray's own channels carry it, so whoever may drive the Ray cluster holds
 it, as they can already run code in every actor.
 """
 
@@ -29,8 +29,6 @@ import dataclasses
 import functools
 import importlib
 import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -94,16 +92,17 @@ def _placed(role: str, config: Any, node_ip: str, namespace: str) -> Any:
 
 @contextlib.contextmanager
 def _secret_file(secret: str) -> Iterator[str]:
-    """The path of a new file holding ``secret`` (mode 0600 in a new 0700 directory), removed
-    with its directory on leaving, whether the body returned or raised."""
-    directory = tempfile.mkdtemp(prefix="tidekv-secret-")
+    """A path that reads as ``secret`` while the body runs: an anonymous in-memory file
+    (``memfd``, mode 0600) named through ``/proc/<pid>/fd``, so nothing is ever on disk, and
+    the kernel frees it when it is closed on leaving or when this process dies, SIGKILL
+    included. Only this user can open another process's ``/proc/<pid>/fd``."""
+    fd = os.memfd_create("tidekv-cluster-secret", os.MFD_CLOEXEC)
     try:
-        path = os.path.join(directory, "cluster.secret")
-        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-            f.write(secret)
-        yield path
+        os.fchmod(fd, 0o600)
+        os.write(fd, secret.encode())
+        yield f"/proc/{os.getpid()}/fd/{fd}"
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        os.close(fd)
 
 
 class RoleActor:
@@ -120,8 +119,8 @@ class RoleActor:
             self.config = dataclasses.replace(self.config, dist_init=f"tcp://{self.node_ip}:{free_port(self.node_ip)}")
         build = importlib.import_module(BUILDERS[role]).build
         # The service reads the secret file while it is built (a worker: its credential) or
-        # started (the Conductor), so the file goes right after: none is on disk while the actor
-        # serves. A parallel rank 0, which starts in the background, uses the credential it was built with.
+        # started (the Conductor), so the in-memory file is closed right after. A parallel rank
+        # 0, which starts in the background, uses the credential it was built with.
         with contextlib.ExitStack() as reading:
             service_config = self.config
             if role != HTTP:  # the front signs nothing: it gets no secret (and is given "")

@@ -301,6 +301,25 @@ def test_ray_cluster_lifecycle(ray_head, reference, tmp_path, redis_server):
     assert not left, f"left in the temp dir by the actors (the killed ones included): {left}"
 
 
+def test_an_actors_secret_file_lives_in_memory_only_while_its_service_reads_it(tmp_path):
+    """What a RoleActor hands its service: a path that reads as the secret, readable by another
+    process of this user (a service may hand it on), never a file on disk, gone on leaving
+    (and with the process, SIGKILL included: the kernel frees an unreferenced memfd)."""
+    from deploy.ray_actors import _secret_file
+
+    secret = secrets.token_hex(32)
+    in_tmp = set(Path(tempfile.gettempdir()).iterdir())
+    with _secret_file(secret) as path:
+        assert Path(path).read_text() == secret
+        assert (os.stat(path).st_mode & 0o777) == 0o600
+        other = subprocess.run([sys.executable, "-c", f"print(open({path!r}).read())"],
+                               capture_output=True, text=True, timeout=60)
+        assert other.stdout.strip() == secret, other.stderr
+        assert set(Path(tempfile.gettempdir()).iterdir()) == in_tmp
+    with pytest.raises(OSError):
+        Path(path).read_text()
+
+
 def test_conductor_replicas_on_ray_need_a_shared_store_and_ports_of_their_own():
     with pytest.raises(ValueError, match="--index redis://"):
         RayClusterConfig(num_conductors=2)
