@@ -80,13 +80,17 @@ class Relay:
 
 def run_through_relay(spawn, encrypt: bool, tamper_at: int | None = None) -> tuple[dict, dict, Relay]:
     flags = ["--auth-key", KEY.hex()] + (["--encrypt"] if encrypt else [])
-    receiver = spawn("receive", "--backend", "tcp", "--rids", RID, *flags)
+    # The receiver stays up until the sender is done: one that exits once it has failed the
+    # request closes the link while the sender reads its verdict, and the sender then sees the
+    # connection closing instead of the reason (a race of this harness; a worker stays up).
+    receiver = spawn("receive", "--backend", "tcp", "--rids", RID, "--hold-open", *flags)
     host, port = receiver.event("listening")["address"].removeprefix("tcp://").split(":")
     relay = Relay((host, int(port)), tamper_at)
     try:
         sender = spawn("send", "--address", f"tcp://127.0.0.1:{relay.port}", "--rid", RID, "--seed", str(SEED), *flags)
         sent = sender.event("done")
         result = receiver.event("result")
+        receiver.tell("close")
     finally:
         relay.close()
     return sent, result, relay

@@ -5,7 +5,9 @@ seed; it imports no torch, so it starts fast. ``receive`` mode (imports torch) l
 the given requests into a page pool (behind a slow sink with ``--sink-delay-s``, which shm
 reaches through its ring; without one, shm senders write into the pool directly) and reports
 a digest of what landed; ``--announce-layer L`` also reports (event "layer") once layer L of
-a request has landed, with the receiver's count of direct frames. Both take ``--auth-key HEX``
+a request has landed, with the receiver's count of direct frames; ``--hold-open`` keeps its
+connections open after its reports until a line arrives on stdin (a receiver that exits at once
+closes the link under a sender still reading its verdict). Both take ``--auth-key HEX``
 (``TransferConfig.auth_key``) and ``--encrypt`` (``TransferConfig.encrypt``). Every report is
 one JSON line on stdout.
 
@@ -233,6 +235,8 @@ def run_receive(args: argparse.Namespace) -> None:
         thread.start()
     for thread in waiters:
         thread.join()
+    if args.hold_open:
+        sys.stdin.readline()
     rx.close()
 
 
@@ -260,6 +264,7 @@ def main() -> None:
     receive.add_argument("--announce-layer", type=int, help="report when this layer of a request has landed")
     receive.add_argument("--auth-key", default="", help="TransferConfig.auth_key, hex")
     receive.add_argument("--encrypt", action="store_true", help="TransferConfig.encrypt")
+    receive.add_argument("--hold-open", action="store_true", help="close only after a line on stdin")
     args = parser.parse_args()
     run_send(args) if args.mode == "send" else run_receive(args)
 
