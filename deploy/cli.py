@@ -119,7 +119,7 @@ def _cmd_up_ray(args: argparse.Namespace) -> int:
     if args.ray == "local" and args.detach:
         raise ValueError("--detach needs a Ray cluster that outlives this command: --ray ADDRESS")
     if args.ray == "local":  # a Ray instance for this command's life, offering every role's resource
-        connect("local", config.namespace, include_dashboard=False,
+        connect("local", config.namespace, include_dashboard=False, _system_config={"worker_niceness": 0},
                 resources={"tidekv_conductor": args.conductors, "tidekv_prefill": 64, "tidekv_decode": 64})
     else:
         connect(args.ray, config.namespace)

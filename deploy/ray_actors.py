@@ -4,7 +4,9 @@ Conductors (``conductor_addresses``) and what it reports (``ActorReport``).
 
 Each actor is a ``RoleActor``: it builds its role's service (``build(config)``, see
 ``runtime.service``) and starts it in ``__init__``, so a restart by Ray (``max_restarts``)
-builds a fresh one, which registers with the Conductor again under the same worker id. Every
+builds a fresh one, which registers with the Conductor again under the same worker id. Both
+kinds serve at normal CPU priority where the node allows it (``serve_at_normal_priority``: Ray
+starts its workers at niceness 15). Every
 actor binds and advertises its node's address (a role config that names another bind host,
 such as 0.0.0.0, keeps it). A worker or front whose config names no Conductor asks the
 Conductor actors for their addresses whenever it (re)starts, and is given them all
@@ -28,6 +30,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import logging
 import os
 import threading
 import time
@@ -47,6 +50,7 @@ from runtime.settings import setup_torch
 BUILDERS = {"conductor": "conductor.server", "prefill": "prefill_worker.server", "decode": "decode_worker.server",
             "http": "openai_api.service"}
 WILDCARDS = ("0.0.0.0", "::", "")
+log = logging.getLogger(__name__)
 
 
 def conductor_addresses(namespace: str) -> str:
@@ -105,11 +109,33 @@ def _secret_file(secret: str) -> Iterator[str]:
         os.close(fd)
 
 
+def serve_at_normal_priority() -> int:
+    """Ray starts its workers at niceness 15 (``RAY_worker_niceness``), below every ordinary
+    process on the node, so a busy neighbour would starve a serving actor. Sets every thread of
+    this process to niceness 0 where that is allowed (root, CAP_SYS_NICE), and otherwise says
+    once how to start Ray instead; threads started later inherit it. Returns the niceness the
+    process serves at."""
+    niceness = os.getpriority(os.PRIO_PROCESS, 0)
+    if niceness <= 0:
+        return niceness
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+                os.setpriority(os.PRIO_PROCESS, int(tid), 0)
+    except PermissionError:
+        log.warning("this actor runs at niceness %d (Ray's default for its workers), below every ordinary "
+                    "process on this node; start Ray with RAY_worker_niceness=0 to serve at normal priority",
+                    niceness)
+        return niceness
+    return 0
+
+
 class RoleActor:
     """One role's service in a Ray actor process (see the module docstring). Thread-safe: the
     actor runs with several threads so ``ready`` answers while ``drain`` blocks."""
 
     def __init__(self, role: str, config: Any, namespace: str, secret: str, cluster: RayClusterConfig | None = None):
+        serve_at_normal_priority()
         setup_torch(getattr(config, "threads", 0) or 1)
         self.role, self.cluster, self._secret = role, cluster, secret
         self.node_ip = ray.util.get_node_ip_address()
@@ -194,6 +220,7 @@ class RankActor:
     in this process, so it is given the cluster secret in memory: no file of it is ever written."""
 
     def __init__(self, role: str, config: Any, secret: str, leader: str, namespace: str):
+        serve_at_normal_priority()
         setup_torch(getattr(config, "threads", 0) or 1)
 
         def ask() -> str:

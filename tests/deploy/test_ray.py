@@ -169,6 +169,15 @@ def check_http(url: str, reference, salt: int) -> None:
     assert 'tidekv:http_requests_total{route="/v1/completions",status="200"}' in metrics
 
 
+def niceness_of(pid: int) -> set[int]:
+    """The niceness of each thread of process ``pid`` (field 19 of /proc/PID/task/TID/stat)."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError):
+            out.add(int(Path(f"/proc/{pid}/task/{tid}/stat").read_text().rpartition(")")[2].split()[16]))
+    return out
+
+
 def check_started(cluster: RayCluster, reference) -> dict:
     reports = {r.name: r for r in cluster.reports()}
     assert set(reports) == {*CONDUCTORS, "http", *ALL_WORKERS}
@@ -176,6 +185,8 @@ def check_started(cluster: RayCluster, reference) -> dict:
                for r in reports.values()), reports
     assert all(reports[n].transfer_address.startswith("tcp://127.0.0.1:") for n in ALL_WORKERS)
     assert len({r.pid for r in reports.values()}) == 6 and os.getpid() not in {r.pid for r in reports.values()}
+    # Ray starts its workers at niceness 15; the actors serve at 0, every thread (this test runs as root)
+    assert {name: niceness_of(r.pid) for name, r in reports.items()} == dict.fromkeys(reports, {0})
     assert cluster.endpoint == f"{reports['conductor'].address},{reports['conductor-1'].address}"
     assert cluster.http_url == f"http://{reports['http'].address}/v1"
     assert ray.get(ray.get_actor("http", namespace=NAMESPACE).secret.remote()) == ""  # the front holds none
