@@ -25,6 +25,7 @@ from tests.e2e.helpers import prompt
 
 UNAUTH, DENIED = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED
 LONG_STREAM = 600  # tokens: a stream that is still live while the checks run (seconds on this model)
+LONG_HTTP = 1024  # tokens: the Conductor's max_new_tokens, for the HTTP check's slow request (its checks take longer)
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +214,10 @@ def test_request_ids_are_scoped_to_their_tenant(keyed, reference):
     assert out_long and out_long[0] == engine.generate(reference, long_ids, LONG_STREAM)
 
     def post(key: str, max_tokens: int) -> tuple[int, dict]:
-        body = json.dumps({"model": "tiny", "prompt": "order", "max_tokens": max_tokens}).encode()
+        # Greedy and past EOS: the slow request runs its whole max_tokens (sampled, it could draw
+        # EOS early and end before the checks)
+        body = json.dumps({"model": "tiny", "prompt": "order", "max_tokens": max_tokens, "temperature": 0,
+                           "ignore_eos": True}).encode()
         req = urllib.request.Request(f"{cluster.http_url}/completions", body, {
             "Content-Type": "application/json", "Authorization": "Bearer " + key, "X-Request-Id": "order-1"})
         try:
@@ -223,13 +227,14 @@ def test_request_ids_are_scoped_to_their_tenant(keyed, reference):
             return e.code, json.loads(e.read())
 
     results: dict[str, tuple[int, dict]] = {}
-    slow = threading.Thread(target=lambda: results.update(slow=post(keys["globex"], LONG_STREAM)))
+    slow = threading.Thread(target=lambda: results.update(slow=post(keys["globex"], LONG_HTTP)))
     slow.start()
     time.sleep(0.5)
     results["other_tenant"] = post(keys["acme"], 3)
     results["same_tenant"] = post(keys["globex"], 3)
-    assert slow.is_alive(), "the slow request ended before the checks: raise LONG_STREAM"
+    assert slow.is_alive(), "the slow request ended before the checks: raise LONG_HTTP"
     slow.join(120)
     assert results["other_tenant"][0] == 200 and results["slow"][0] == 200, results
+    assert results["slow"][1]["usage"]["completion_tokens"] == LONG_HTTP
     assert results["same_tenant"][0] == 409, results["same_tenant"]
     assert results["same_tenant"][1]["error"]["code"] == "request_id_in_use"
