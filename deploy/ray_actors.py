@@ -109,15 +109,14 @@ def _secret_file(secret: str) -> Iterator[str]:
         os.close(fd)
 
 
-def serve_at_normal_priority() -> int:
+def serve_at_normal_priority() -> None:
     """Ray starts its workers at niceness 15 (``RAY_worker_niceness``), below every ordinary
     process on the node, so a busy neighbour would starve a serving actor. Sets every thread of
     this process to niceness 0 where that is allowed (root, CAP_SYS_NICE), and otherwise says
-    once how to start Ray instead; threads started later inherit it. Returns the niceness the
-    process serves at."""
+    once how to start Ray instead; threads started later inherit it."""
     niceness = os.getpriority(os.PRIO_PROCESS, 0)
     if niceness <= 0:
-        return niceness
+        return
     try:
         for tid in os.listdir("/proc/self/task"):
             with contextlib.suppress(ProcessLookupError):  # a thread that just ended
@@ -126,8 +125,6 @@ def serve_at_normal_priority() -> int:
         log.warning("this actor runs at niceness %d (Ray's default for its workers), below every ordinary "
                     "process on this node; start Ray with RAY_worker_niceness=0 to serve at normal priority",
                     niceness)
-        return niceness
-    return 0
 
 
 class RoleActor:
