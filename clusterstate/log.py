@@ -4,9 +4,10 @@
 Two kinds of entries (``proto/state.proto``):
 
 - **State entries** (a worker registered, heartbeat with its load and block events, blocks
-  a prefill stored, a worker removed) change the registry and the block index. ``publish``
-  appends one and returns once this replica has applied it *in log order*, so replicas
-  that applied the same prefix of the log hold the same state (``ClusterState.digest``).
+  a prefill stored, a worker removed, leases renewed after a time with no Conductor) change
+  the registry and the block index. ``publish`` appends one and returns once this replica
+  has applied it *in log order*, so replicas that applied the same prefix of the log hold
+  the same state (``ClusterState.digest``).
 - **Overlay entries** (what a replica routed and its progress, a replica's liveness) are
   what the others should count but the writer already did: ``share`` sends one on,
   asynchronously, and only the other replicas apply it (``on_overlay``).
@@ -88,6 +89,8 @@ class EntryApplier:
                 self.state.apply(_events(entry.blocks.worker_id, entry.blocks.events), at_s=entry.wall_s)
             elif kind == "removed":
                 self.state.remove(entry.removed.worker_id)
+            elif kind == "leases":
+                self.state.renew_leases(entry.leases.quiet_since_s, at_s=entry.wall_s)
             elif kind in ("pending", "replica"):
                 if not own:
                     self.on_overlay(entry)

@@ -21,6 +21,13 @@ find the cluster again.
 The stream is trimmed at each snapshot up to the one before it: a replica less than a
 snapshot interval behind reads on, one further behind repairs.
 
+A replica that starts on a quiet log (nothing written for ``quiet_s``: no Conductor was
+taking heartbeats, so a whole-cluster restart or a lone Conductor's crash) renews the leases
+of the workers alive when it went quiet (a ``LeasesEntry``) before it counts as caught up:
+the time in which no one could hear a worker is not held against it, and a worker whose
+link to the new Conductor takes a moment to reconnect is not dropped from under the
+requests routed to it meanwhile.
+
 A state entry's ``publish`` appends it and waits until this replica's reader has applied it
 (the reader wakes as soon as the entry is added: XREAD BLOCK), so every replica applies state
 entries in the one stream order. While the store is unreachable, ``publish`` applies the
@@ -101,6 +108,9 @@ class RedisLogConfig:
     max_outbox: int = 200_000  # entries kept while the store is down (older ones are dropped)
     share_interval_s: float = 0.002  # how long shared entries gather into one append
     replica_beat_s: float = 1.0
+    # A log this long without an entry, when a replica starts, had no Conductor writing to it
+    # (an alive one writes each worker's heartbeats): the leases are renewed (``LeasesEntry``).
+    quiet_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.read_count < 1 or self.snapshot_every_entries < 1 or self.max_lag_s <= 0:
@@ -132,6 +142,9 @@ class RedisLog:
         self._degraded_since: float | None = None
         self._last_read_s = time.time()
         self._behind_since_wall_s = 0.0  # the newest entry's time when the last read was a full batch
+        self._restored_newest_s = 0.0  # the newest lease in the snapshot this replica started from
+        self._resume_seq: int | None = None  # its LeasesEntry, once written; then caught up once read
+        self._resumed = False
         self._outbox: collections.deque[dict[bytes, bytes]] = collections.deque()
         self._shared: collections.deque[spb.StateEntry] = collections.deque()
         self._share_wakeup = threading.Event()
@@ -305,8 +318,11 @@ class RedisLog:
                 records = resp[0][1] if resp else []
                 if not self._apply_records(records):
                     continue
+                caught_up = len(records) < self.config.read_count
+                if caught_up and not self._resumed:
+                    caught_up = self._resume_leases()
                 with self._cond:
-                    self._caught_up = len(records) < self.config.read_count
+                    self._caught_up = caught_up
                     self._cond.notify_all()
                 self._maybe_snapshot()
             except UNREACHABLE as e:
@@ -342,6 +358,25 @@ class RedisLog:
                 self._cond.notify_all()
         with self._cond:
             self._last_read_s = now_s
+        return True
+
+    def _resume_leases(self) -> bool:
+        """On first catching up: whether this replica is caught up. On a quiet log it first
+        writes a ``LeasesEntry`` and is caught up once it has read that back (until then its
+        leases are held at the log's newest time: ``leases_held_at``)."""
+        if self._resume_seq is None:
+            now_s = self.applier.state.now()
+            quiet_since_s = max(self._behind_since_wall_s, self._restored_newest_s)
+            if not quiet_since_s or now_s - quiet_since_s < self.config.quiet_s:
+                self._resumed = True
+                return True
+            leases = entry(self.replica_id, now_s, leases=spb.LeasesEntry(quiet_since_s=quiet_since_s))
+            self._resume_seq = self._append_fields([self.keys.entry_fields(leases)])[-1]
+            log.info("the cluster's log was quiet for %.1f s (no Conductor took heartbeats): the workers alive "
+                     "then keep their leases, renewed from now", now_s - quiet_since_s)
+        if self.seq < self._resume_seq:
+            return False
+        self._resumed = True
         return True
 
     def _gap(self, seq: int, record_id: str) -> None:
@@ -414,6 +449,7 @@ class RedisLog:
                     for i in range(0, len(w.keys), KEY_BYTES)}
             workers.append((WorkerEntry(info, load_from_proto(w.load), w.last_seen_s, w.heartbeat_seq), held))
         self.applier.state.replace(workers)
+        self._restored_newest_s = max((w.last_seen_s for w in snapshot.workers), default=0.0)
         with self._cond:
             self.position, self.seq = snapshot.position, snapshot.seq
         log.info("state from the snapshot at %s (sequence number %d): %d workers, %d blocks", snapshot.position,

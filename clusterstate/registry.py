@@ -105,6 +105,16 @@ class WorkerRegistry:
                                                seq or entry.heartbeat_seq)
         return True
 
+    def renew(self, alive_at_s: float, at_s: float) -> list[str]:
+        """Every worker alive at ``alive_at_s`` counts as seen at ``at_s`` (no Conductor could
+        hear heartbeats in between: ``clusterstate.log``); their ids, sorted."""
+        renewed = sorted(w for w in self._entries if self.is_alive(w, alive_at_s))
+        for worker_id in renewed:
+            entry = self._entries[worker_id]
+            self._entries[worker_id] = dataclasses.replace(entry, last_seen_s=max(entry.last_seen_s, at_s))
+        self._changed()
+        return renewed
+
     def remove(self, worker_id: str) -> bool:
         self._changed()
         return self._entries.pop(worker_id, None) is not None

@@ -9,9 +9,10 @@ Rules shared by every caller:
   ``REMOVED`` event drops it. Events of a worker that is not alive are ignored: its blocks
   would never be offered, and ignoring them keeps a dead worker from leaking index entries.
 - A worker is alive from ``register`` until ``remove`` or until ``ttl_s`` passes without a
-  ``heartbeat``. An expired worker vanishes from ``workers()`` and ``match()`` at once; its
-  blocks are purged by ``reap_expired()`` or when the id registers again. A registration as
-  a new instance (another ``instance_id``) drops what the old one held.
+  ``heartbeat`` (time in which no Conductor ran does not count: ``renew_leases``). An
+  expired worker vanishes from ``workers()`` and ``match()`` at once; its blocks are purged
+  by ``reap_expired()`` or when the id registers again. A registration as a new instance
+  (another ``instance_id``) drops what the old one held.
 - ``match(keys)`` reports, per alive worker, the contiguous held prefix of ``keys`` and the
   usable prefix under the hybrid hit rule (``kvstore.hitrule``).
 
@@ -114,6 +115,13 @@ class ClusterState:
             check_keys([e.key for e in events])
             self._blocks.apply_store_events(worker_id, events)
             return len(events)
+
+    def renew_leases(self, quiet_since_s: float, at_s: float | None = None) -> list[str]:
+        """The log was quiet from ``quiet_since_s`` to ``at_s`` (no Conductor was taking
+        heartbeats): every worker alive at ``quiet_since_s`` has its lease renewed from
+        ``at_s``, so that it is judged by its heartbeats from then on. Their ids."""
+        with self._lock:
+            return self._registry.renew(quiet_since_s, self._clock() if at_s is None else at_s)
 
     def remove(self, worker_id: str) -> bool:
         """Forget a worker and all its blocks; return whether it was known."""

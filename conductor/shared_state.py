@@ -57,7 +57,8 @@ def open_state(config: ConductorConfig, secret: bytes) -> SharedState:
     address = parse_store_url(config.index)
     password = read_password(config.index_password_file)
     log_config = RedisLogConfig(namespace=config.index_namespace, max_lag_s=config.max_index_lag_s,
-                                replicas_wait=1 if address.scheme == "redis+sentinel" else 0)
+                                replicas_wait=1 if address.scheme == "redis+sentinel" else 0,
+                                quiet_s=2 * config.heartbeat_interval_s)
 
     def client():
         return connect(address, password, config.index_tls_ca)

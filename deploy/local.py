@@ -283,11 +283,12 @@ class LocalCluster:
             "--port", str(self.ports[i]), "--model", c.model, "--policy", c.policy, "--index", self.index,
             "--metrics-port", str(self.metrics_ports[i]), *extra, *self._tls_args(), *c.conductor_args])
 
-    def restart_conductor(self, timeout_s: float = 60.0, i: int = 0) -> None:
+    def restart_conductor(self, timeout_s: float = 60.0, i: int = 0, down_s: float = 0.0) -> None:
         """Kills Conductor ``i`` (SIGKILL: no drain, on purpose: not a crash) and starts a new
-        one on the same port; with its state in memory, the workers re-register with it (and
-        republish their blocks) on their next heartbeat; a replica catches up from the log."""
-        self._supervisor.replace(self.conductor_name(i))
+        one on the same port ``down_s`` later; with its state in memory, the workers re-register
+        with it (and republish their blocks) on their next heartbeat; a replica catches up from
+        the log."""
+        self._supervisor.replace(self.conductor_name(i), down_s)
         self.wait_ready(timeout_s)
 
     def start(self, timeout_s: float = 120.0) -> LocalCluster:

@@ -166,13 +166,15 @@ class Supervisor:
         with self._lock:
             self._members[name].exit_expected = True
 
-    def replace(self, name: str) -> None:
-        """SIGKILLs member ``name``, waits for it and launches it again now (no backoff)."""
+    def replace(self, name: str, down_s: float = 0.0) -> None:
+        """SIGKILLs member ``name``, waits for it and launches it again ``down_s`` later (no
+        backoff)."""
         with self._lock:
             m = self._members[name]
             m.exit_expected = True
             m.proc.kill()
             m.last_exit = describe_exit(m.proc.wait())
+            time.sleep(down_s)
             old_pid = m.proc.pid
             self._relaunch(m)
             event = ProcessEvent("restarted", name, m.role, m.proc.pid, "",

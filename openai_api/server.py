@@ -47,11 +47,11 @@ from openai_api.keys import FrontKeys, Metadata
 from openai_api.metrics import CLIENT_GONE, FrontMetrics, MetricsMiddleware
 from openai_api.protocol import GenerationParams, RequestContext, parse_chat, parse_completion
 from openai_api.render import DONE, Shape, error_event
+from runtime.grpc_server import CHANNEL_OPTIONS
 from runtime.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 << 20  # as every Tidekv gRPC channel
 HEALTH_SERVICE = "tidekv.v1.Inference"
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,48}")  # what the Conductor accepts as a request_id
 OFFLOAD_BYTES = 64 << 10  # bodies above this are parsed (JSON, chat template, tokenizer) on a thread
@@ -77,8 +77,7 @@ class Front:
         self.conductors: Conductors | None = None
 
     async def open(self) -> None:
-        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        options = list(CHANNEL_OPTIONS)
         creds = None
         if self.config.tls_ca:
             creds = grpc.ssl_channel_credentials(root_certificates=Path(self.config.tls_ca).read_bytes())

@@ -28,6 +28,14 @@ from runtime.tls import TlsFiles
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20
+# A channel whose server went away tries again after 0.25 s, then at most every second
+# (gRPC's default backs off to two minutes): a restarted Conductor or worker is reached
+# within a heartbeat or two, long before its lease would run out.
+RECONNECT_BACKOFF_MS = (250, 1000)
+CHANNEL_OPTIONS = (("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+                   ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]))
 LIVENESS = "tidekv.liveness"  # health name: SERVING from start to stop, whatever the readiness
 
 
@@ -114,8 +122,7 @@ def follow_readiness(running: RunningServer, ready: Callable[[], bool], interval
 
 def channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
     """A channel to ``address``: TLS verified against ``tls.ca`` when one is given."""
-    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    options = list(CHANNEL_OPTIONS)
     creds = tls.channel_credentials() if tls is not None else None
     if creds is not None:
         return grpc.secure_channel(address, creds, options=options)

@@ -4,6 +4,7 @@ replicas of one changed through a log in a real Redis (``clusterstate.redis_log`
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -53,13 +54,14 @@ def ids(index) -> list[str]:
 
 class Replica:
     """A ``ClusterState`` changed only through a ``RedisLog``, as a Conductor replica's is; the
-    writes answer what the Conductor would have decided before publishing."""
+    writes answer what the Conductor would have decided before publishing. The fake clock's
+    jumps are no time without a Conductor: a replica starting after one renews no leases."""
 
     def __init__(self, url: str, namespace: str, clock: FakeClock, ttl_s: float) -> None:
         self.state = ClusterState(ttl_s=ttl_s, clock=clock)
         self.log = RedisLog(lambda: redis.Redis.from_url(url, socket_timeout=2), EntryApplier(self.state,
                             KEYS_OF_STORE), KEYS_OF_STORE, f"r-{uuid.uuid4().hex[:6]}",
-                            RedisLogConfig(namespace=namespace, read_block_ms=50))
+                            RedisLogConfig(namespace=namespace, read_block_ms=50, quiet_s=math.inf))
         self.log.start()
         until = time.monotonic() + 10
         while not self.log.ready:

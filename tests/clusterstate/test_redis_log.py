@@ -237,3 +237,43 @@ def test_signature_nonces_are_shared_by_every_replica(redis_url: str) -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_replica_starting_on_a_quiet_log_renews_the_leases_of_the_workers_alive_then(redis_url: str) -> None:
+    """No Conductor wrote to the log for a while (a lone Conductor crashed and restarts): the
+    workers alive when it went quiet are not held to the silence no one could hear; their
+    leases run from the new replica's start. A worker already expired then stays expired, and
+    a replica starting beside a live one renews nothing."""
+    ns, ttl_s = "quiet", 3.0
+
+    def start(**config) -> tuple[ClusterState, RedisLog]:
+        state = ClusterState(ttl_s=ttl_s, clock=time.time)
+        log_ = RedisLog(lambda: redis.Redis.from_url(redis_url, socket_timeout=2), EntryApplier(state, KEYS_OF_STORE),
+                        KEYS_OF_STORE, f"replica-{id(state)}", RedisLogConfig(namespace=ns, read_block_ms=50,
+                                                                              quiet_s=1.0, **config))
+        log_.start()
+        wait(lambda: log_.ready, "the replica to be ready")
+        return state, log_
+
+    def last_seen(state: ClusterState) -> dict[str, float]:
+        return {w.info.worker_id: w.last_seen_s for w, _ in state.export()}
+
+    _, first = start()
+    t0 = time.time()
+    for worker_id, at_s in (("gone", t0 - 2 * ttl_s), ("alive", t0)):
+        first.publish(entry(first.replica_id, at_s, registered=record_of(info(worker_id), KEYS_OF_STORE)))
+    first.close()  # the last Conductor stops: nothing is written for a while
+    time.sleep(1.5)
+    second, second_log = start()
+    try:
+        renewed = last_seen(second)
+        assert renewed["gone"] == t0 - 2 * ttl_s  # expired before the quiet: not brought back
+        assert renewed["alive"] > t0 + 1.0  # the lease runs from the second replica's start
+        assert second.worker("alive") is not None and second.worker("gone") is None
+        third, third_log = start()  # the log is not quiet: the second replica writes to it
+        try:
+            assert last_seen(third) == renewed
+        finally:
+            third_log.close()
+    finally:
+        second_log.close()

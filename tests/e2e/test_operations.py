@@ -19,6 +19,9 @@ from tests.e2e.helpers import prompt, run_all
 
 
 def test_redis_index_survives_conductor_restart(redis_server_factory, reference):
+    """The lone Conductor crashes and is back 1.5 s later: it routes by the blocks it finds in
+    Redis, and the workers keep their leases (no one could hear their heartbeats meanwhile), so
+    a request routed at once is not dropped when a worker's link reconnects a moment later."""
     redis = redis_server_factory()
     config = ClusterConfig(num_prefill=1, num_decode=1, index=redis.url.rsplit("/", 1)[0],
                            prefill_args=WORKER_ARGS, decode_args=DECODE_ARGS)
@@ -28,11 +31,13 @@ def test_redis_index_survives_conductor_restart(redis_server_factory, reference)
         assert a.cached_tokens == 0
         b = run_all(cluster.endpoint, [Client.request(base[:160] + prompt(30, 501), max_tokens=5)])[0]
         assert b.cached_tokens == 160  # matched through the index held in Redis
-        cluster.restart_conductor()
+        cluster.restart_conductor(down_s=1.5)
         second = base[:192] + prompt(20, 502)
         c = run_all(cluster.endpoint, [Client.request(second, max_tokens=6)])[0]
+        assert (c.finish_reason, c.error) == ("length", "")
         assert c.cached_tokens == 192  # the new Conductor routes by the blocks it found in Redis
         assert c.token_ids == engine.generate(reference, second, 6)
+        assert "the workers alive then keep their leases" in (cluster.log_dir / "conductor.log").read_text()
 
 
 @pytest.mark.parametrize("target", ["cluster", "decode-0"])
