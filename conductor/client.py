@@ -168,8 +168,9 @@ class Client:
 
 class ResumableCall:
     """A ``Generate`` stream that survives its Conductor: when the replica fails, the call goes
-    to the next one, and once tokens have arrived it resumes after them (``resume``). Iterate
-    it once; ``cancel`` from any thread ends it (``grpc.RpcError`` CANCELLED, as a call's)."""
+    to the next one, and once tokens have arrived it resumes after them (``resume``); after the
+    terminal message, nothing is resumed (so exactly one comes). Iterate it once; ``cancel``
+    from any thread ends it (``grpc.RpcError`` CANCELLED, as a call's)."""
 
     def __init__(self, client: Client, req: pb.GenerateRequest, timeout_s: float):
         self.client, self.req, self.timeout_s = client, req, timeout_s
@@ -201,12 +202,16 @@ class ResumableCall:
                 call = self._call = stub.Generate(req, timeout=max(0.001, until - time.monotonic()))
                 if self._cancelled:
                     call.cancel()
+            finished = False
             try:
                 for msg in call:
                     sent.extend(msg.token_ids)
+                    finished = finished or bool(msg.finish_reason)
                     yield msg
                 return
             except grpc.RpcError as e:
+                if finished:  # the terminal message came: a replica lost after it changes nothing
+                    return
                 if self._cancelled or not is_failover(e) or failovers >= self.client.max_failovers:
                     raise
                 failovers += 1
