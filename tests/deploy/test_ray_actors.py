@@ -20,15 +20,13 @@ from deploy import ray_actors  # noqa: E402
 from deploy.ray_launcher import RayClusterConfig  # noqa: E402
 
 
-def test_an_actors_secret_file_lives_in_memory_only_while_its_service_reads_it(tmp_path):
+def test_an_actors_secret_file_lives_in_memory_only_while_its_service_reads_it():
     """What a RoleActor hands its service: a path that reads as the secret, readable by another
     process of this user (a service may hand it on), never a file on disk, gone on leaving
     (and with the process, SIGKILL included: the kernel frees an unreferenced memfd)."""
-    from deploy.ray_actors import _secret_file
-
     secret = secrets.token_hex(32)
     in_tmp = set(Path(tempfile.gettempdir()).iterdir())
-    with _secret_file(secret) as path:
+    with ray_actors._secret_file(secret) as path:
         assert Path(path).read_text() == secret
         assert (os.stat(path).st_mode & 0o777) == 0o600
         other = subprocess.run([sys.executable, "-c", f"print(open({path!r}).read())"],
