@@ -71,10 +71,17 @@ class BatchIndex:
 
     def joining(self, now_s: float, until_s: float) -> tuple[int, int]:
         """Jobs in prefill (and their tokens) that join within ``until_s`` seconds of
-        ``now_s``: ``DecodeJob.ready_in_s(now_s) <= until_s``, which rises with the join moment."""
-        if not self.ready_at_s:
+        ``now_s``: ``DecodeJob.ready_in_s(now_s) <= until_s``, which rises with the join
+        moment. A bisection by ``now_s + until_s`` guesses the count (the sum may round), and
+        that test, evaluated at the guess, settles it."""
+        ready = self.ready_at_s
+        if not ready:
             return 0, 0
-        num = bisect_right(self.ready_at_s, until_s, key=lambda a: max(1e-6, a - now_s))
+        num = bisect_right(ready, now_s + until_s)
+        while num < len(ready) and max(1e-6, ready[num] - now_s) <= until_s:
+            num += 1
+        while num and max(1e-6, ready[num - 1] - now_s) > until_s:
+            num -= 1
         return num, self.tokens_before[num]
 
 

@@ -9,7 +9,7 @@ SLO. The formulas and the admission modes: docs/architecture.md, "The Mooncake s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from bisect import bisect_right
 from typing import NamedTuple
 
 from conductor.cpp import unit_prefill_s
@@ -30,6 +30,7 @@ from conductor.routing import (
     admission_rejection,
     best_holder,
     capped_usable,
+    decode_need_pages,
     fitting_decode,
     max_reuse_blocks,
     register_policy,
@@ -224,25 +225,34 @@ def _retry_hint_s(worker: WorkerView, costs: CostModels, now_s: float) -> float:
 
 
 def _decode_choice(snapshot: ClusterSnapshot, request: RouteRequest, costs: CostModels, mode: str,
-                   ttft_s: float, basis_of: Callable[[WorkerView], DecodeBasis]) -> tuple[WorkerView, float]:
+                   ttft_s: float, bases: DecodeBases) -> tuple[WorkerView, float]:
     """The fitting decode worker with the lowest predicted TBT, and that TBT. Worker ids are
     unique, so the minimum never compares the views.
 
     Predictive: ``tbt_after_join`` at ``ttft_s`` until the end of this request's decode (its
-    max tokens at the step time on joining), from each view's ``basis_of``; the two
-    predictions share everything but who joins (written out in one pass: this runs for every
-    decode worker of every decision)."""
-    fitting = fitting_decode(snapshot, request)
+    max tokens at the step time on joining), from each view's basis (``bases``); the two
+    predictions share everything but who joins (written out in one pass, ``_staying`` and
+    ``fitting_decode`` included: this runs for every decode worker of every decision)."""
     if mode == "early":
+        fitting = fitting_decode(snapshot, request)
         scored = [(tbt_after_join(w, request, costs, None), -w.num_free_pages, w.worker_id, w) for w in fitting]
         tbt, _, _, worker = min(scored)
         return worker, tbt
     now_s, max_tokens, step_s = snapshot.time_s, request.max_tokens, costs.decode_step_s
+    need, num_prompt_tokens = decode_need_pages(request), request.num_prompt_tokens
+    kept = bases.kept
     scored = []
-    for w in fitting:
-        basis = basis_of(w)
-        batch, tokens = _staying(basis, request, ttft_s)
-        index = basis.index
+    for w in snapshot.decode:
+        free = w.num_free_pages
+        if free < need:
+            continue
+        hit = kept.get(w.worker_id)
+        if hit is None or hit[0] is not w:
+            hit = kept[w.worker_id] = (w, DecodeBasis.of(w, costs))
+        index, other, other_tokens, leave_times = hit[1]
+        first = bisect_right(leave_times, ttft_s)  # the running jobs leaving by then (_staying)
+        batch = other + index.num_running - first + 1
+        tokens = other_tokens + index.tokens_from[first] + num_prompt_tokens
         if not index.ready_at_s:  # nobody joins, then or later: both predictions are this one
             tbt = step_s(batch, tokens)
         else:
@@ -250,40 +260,32 @@ def _decode_choice(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cost
             first_s = step_s(batch + num_joining, tokens + joining_tokens)
             num_joining, joining_tokens = index.joining(now_s, ttft_s + max_tokens * first_s)
             tbt = step_s(batch + num_joining, tokens + joining_tokens)
-        scored.append((tbt, -w.num_free_pages, w.worker_id, w))
+        scored.append((tbt, -free, w.worker_id, w))
     tbt, _, _, worker = min(scored)
     return worker, tbt
 
 
-def _basis_memo(costs: CostModels) -> Callable[[WorkerView], DecodeBasis]:
+class DecodeBases:
     """``DecodeBasis.of`` kept per decode worker while the snapshots hand out the same view
     (a view is frozen, so its basis stays true; on a large cluster most decode workers' views
-    are the last decision's). Holds one view per worker id."""
-    kept: dict[str, tuple[WorkerView, DecodeBasis]] = {}
+    are the last decision's). ``kept``: worker id -> (view, basis), one view per worker id."""
 
-    def basis_of(worker: WorkerView) -> DecodeBasis:
-        hit = kept.get(worker.worker_id)
-        if hit is not None and hit[0] is worker:
-            return hit[1]
-        basis = DecodeBasis.of(worker, costs)
-        kept[worker.worker_id] = (worker, basis)
-        return basis
-
-    return basis_of
+    def __init__(self) -> None:
+        self.kept: dict[str, tuple[WorkerView, DecodeBasis]] = {}
 
 
 def make_mooncake(context: PolicyContext) -> Policy:
     if context.costs is None:
         raise ValueError("the mooncake policy needs cost models (a calibration from `tidekv calibrate`)")
     costs, config = context.costs, context.routing
-    basis_of = _basis_memo(costs)
+    bases = DecodeBases()
 
     def mooncake(snapshot: ClusterSnapshot, request: RouteRequest) -> RouteDecision | Rejection:
         rejection = admission_rejection(snapshot, request)
         if rejection is not None:
             return rejection
         option = choose_prefill(snapshot, request, costs, config)
-        decode, tbt = _decode_choice(snapshot, request, costs, config.admission_mode, option.ttft_s, basis_of)
+        decode, tbt = _decode_choice(snapshot, request, costs, config.admission_mode, option.ttft_s, bases)
         if option.ttft_s > request.ttft_slo_s:
             return Rejection(
                 f"predicted TTFT {option.ttft_s:.3f}s misses the {request.ttft_slo_s:g}s SLO: best is "
