@@ -91,6 +91,11 @@ class PendingView:
     # By prefill worker: when this Conductor last saw one of its prefills end there (its engine
     # was free to start the next one then).
     prefill_free_at_s: Mapping[str, float] = field(default_factory=dict)
+    # The workers whose groups (or free moment) changed since the view numbered ``serial - 1``
+    # of the same overlay; None: not known (a snapshot memo then checks every worker). Not
+    # part of what a view holds: two views of the same records are equal.
+    serial: int = field(default=0, compare=False)
+    changed: frozenset[str] | None = field(default=None, compare=False)
 
 
 class PendingWork:
@@ -108,12 +113,15 @@ class PendingWork:
         # replaced (handed-out maps are never changed), so it costs the changed groups only.
         self._published: dict[str, dict[str, object]] = {}
         self._changed: dict[str, set[str]] = defaultdict(set)
+        self._serial = 0  # views handed out
+        self._touched: set[str] = set()  # workers with a group changed since the last view
         self._lock = threading.Lock()
 
     # ---- grouping (under the lock) ------------------------------------------------------------
     def _unfreeze(self, group: str, worker: str) -> None:
         self._frozen.pop((group, worker), None)
         self._changed[group].add(worker)
+        self._touched.add(worker)
 
     def _thaw(self, group: str, worker: str) -> None:
         self._unfreeze(group, worker)
@@ -235,6 +243,8 @@ class PendingWork:
 
     def view(self) -> PendingView:
         with self._lock:
+            self._serial += 1
+            changed, self._touched = frozenset(self._touched), set()
             return PendingView(
                 in_prefill=self._by_worker("in_prefill", self._groups["in_prefill"]),
                 prefill_jobs=self._by_worker("prefill_jobs", self._groups["in_prefill"]),
@@ -243,6 +253,7 @@ class PendingWork:
                 decode_jobs=self._by_worker("decode_jobs", self._groups["on_decode"]),
                 ended_on_decode=self._by_worker("ended_on_decode", self._groups["ended_on_decode"]),
                 prefill_free_at_s=dict(self._free_at),
+                serial=self._serial, changed=changed,
             )
 
     def __len__(self) -> int:

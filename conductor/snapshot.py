@@ -132,14 +132,13 @@ def _timed_jobs(template: JobsTemplate, age_s: float, now_s: float) -> tuple[Pre
     """The template's jobs at ``now_s`` with a heartbeat ``age_s`` old: a listed running job
     has run for the load's age more; when none runs, the head has run since its start."""
     jobs, aged, head = template.jobs, template.aged, template.head
-    if aged:
+    if aged:  # listed running jobs (elapsed > 0): they run on, and no head is made running
         jobs = list(jobs)
         for i in aged:
             j = jobs[i]
-            jobs[i] = PrefillJobLoad(j.request_id, j.num_new_tokens, j.num_reused_tokens,
-                                     j.elapsed_s + age_s if j.elapsed_s > 0 else 0.0)
-        jobs = tuple(jobs)
-    if head is None or template.others_run or any(jobs[i].elapsed_s > 0 for i in aged):
+            jobs[i] = PrefillJobLoad(j.request_id, j.num_new_tokens, j.num_reused_tokens, j.elapsed_s + age_s)
+        return tuple(jobs)
+    if head is None or template.others_run:
         return jobs
     elapsed_s = now_s - template.start_s
     if elapsed_s <= 0:
@@ -194,11 +193,24 @@ class ViewMemo:
     that view back instead of a new, equal one; views are frozen, so no policy can tell. On a
     large cluster most workers did nothing since the last decision, and this saves most of a
     snapshot's work. One per ``ConductorCore``, used under its lock; holds one entry per worker
-    (a worker that left keeps its entry until its id registers again, a few hundred bytes)."""
+    (a worker that left keeps its entry until its id registers again, a few hundred bytes).
+
+    It also keeps the last snapshot's inputs and views, so that the next one, when the
+    registry holds the same workers in the same order and the pending view is the overlay's
+    next (``PendingView.serial``), looks only at the workers that may have changed
+    (``_changed_workers``) and copies every other view from the last snapshot."""
 
     def __init__(self) -> None:
         self.prefill: dict[str, tuple] = {}
         self.decode: dict[str, tuple] = {}
+        self.registry: Sequence[RegistryEntry] | None = None  # the last snapshot's inputs
+        self.serial = -1
+        self.paces: Mapping[str, Pace] | None = None
+        self.all_seen = False  # every prefill worker then had a pace of its own
+        self.matched: frozenset[str] = frozenset()
+        self.timed: set[str] = set()  # prefill workers whose view moves with the clock
+        self.views: tuple[list[WorkerView], list[WorkerView]] = ([], [])  # the last snapshot's
+        self.slots: dict[str, tuple[int, bool, int]] = {}  # id -> registry index, is decode, index in views
 
 
 def _prefill_view(entry: RegistryEntry, pending: PendingView, m, pace: Pace, now_s: float,
@@ -239,8 +251,15 @@ def _memo_prefill_view(memo: ViewMemo, entry: RegistryEntry, pending: PendingVie
         view = _prefill_view(entry, pending, m, pace, now_s, template.jobs)
         memo.prefill[w] = (entry.info, load, own, left, records, free_at, usable, tier, pace, template, view)
     if not template.aged and (template.head is None or template.others_run):
+        memo.timed.discard(w)
         return view  # no job's elapsed time moves with the clock
-    jobs = _timed_jobs(template, entry.load_age_s, now_s)
+    memo.timed.add(w)
+    return _timed_view(template, view, entry.load_age_s, now_s)
+
+
+def _timed_view(template: JobsTemplate, view: WorkerView, age_s: float, now_s: float) -> WorkerView:
+    """``view`` (made with ``template``'s jobs) with its jobs timed at ``now_s``."""
+    jobs = _timed_jobs(template, age_s, now_s)
     if jobs is template.jobs:
         return view
     timed = object.__new__(WorkerView)
@@ -262,6 +281,91 @@ def _memo_decode_view(memo: ViewMemo, entry: RegistryEntry, pending: PendingView
     return view
 
 
+def _changed_workers(memo: ViewMemo, registry: Sequence[RegistryEntry], pending: PendingView,
+                     matched: frozenset[str], paces: Mapping[str, Pace]) -> set[str] | None:
+    """The workers whose views' inputs may differ from those of the last snapshot built with
+    ``memo`` (besides the clock, which moves the jobs of ``memo.timed``): a new registration
+    or load, a pending group or free moment changed since the last view, a match now or then,
+    a new pace. None when that is not known, and
+    every worker must be looked at: the registry's workers or order changed, the pending view
+    is not the overlay's next, a pace was dropped, or one applies to workers not seen yet."""
+    last = memo.registry
+    if (last is None or len(last) != len(registry) or pending.changed is None
+            or pending.serial != memo.serial + 1):
+        return None
+    changed = set(pending.changed)
+    changed |= matched
+    changed |= memo.matched
+    for new, old in zip(registry, last, strict=True):
+        if new is not old and (new.info is not old.info or new.load is not old.load):
+            if new.info.worker_id != old.info.worker_id:
+                return None
+            changed.add(new.info.worker_id)
+    old_paces = memo.paces
+    if paces is not old_paces:
+        if not memo.all_seen or old_paces is None or not old_paces.keys() <= paces.keys():
+            return None  # a worker's pace may be the ``unseen`` one, which moves with every sample
+        get = old_paces.get
+        for w, pace in paces.items():
+            was = get(w)
+            if was is not pace and was != pace:
+                changed.add(w)
+    return changed
+
+
+def _all_views(registry: Sequence[RegistryEntry], pending: PendingView, match_of, pace_of,
+               now_s: float) -> tuple[list[WorkerView], list[WorkerView]]:
+    prefill, decode, decode_role = [], [], WorkerRole.DECODE
+    for entry in registry:
+        w = entry.info.worker_id
+        if entry.info.role is decode_role:
+            decode.append(_decode_view(entry, pending))
+        else:
+            prefill.append(_prefill_view(entry, pending, match_of(w), pace_of(w), now_s))
+    return prefill, decode
+
+
+def _memo_views(memo: ViewMemo, registry: Sequence[RegistryEntry], pending: PendingView, by_worker: dict,
+                paces: Mapping[str, Pace], pace_of, now_s: float) -> tuple[list[WorkerView], list[WorkerView]]:
+    """``_all_views``, from ``memo``: the last snapshot's views, with those of the workers that
+    changed made again (``_memo_*_view``) and the timed ones timed; or, when what changed is
+    not known, every worker's view through the memo."""
+    matched, match_of = frozenset(by_worker), by_worker.get
+    changed = _changed_workers(memo, registry, pending, matched, paces)
+    if changed is not None:
+        prefill, decode = list(memo.views[0]), list(memo.views[1])
+        slots, kept = memo.slots, memo.prefill
+        for w in memo.timed.difference(changed):  # only the clock moved: the kept template, timed
+            i, _, k = slots[w]
+            hit = kept[w]
+            prefill[k] = _timed_view(hit[9], hit[10], registry[i].load_age_s, now_s)
+        for w in changed:
+            slot = slots.get(w)
+            if slot is None:
+                continue  # not registered: no view
+            i, is_decode, k = slot
+            if is_decode:
+                decode[k] = _memo_decode_view(memo, registry[i], pending)
+            else:
+                prefill[k] = _memo_prefill_view(memo, registry[i], pending, match_of(w), pace_of(w), now_s)
+    else:
+        prefill, decode, decode_role, slots = [], [], WorkerRole.DECODE, {}
+        memo.timed.clear()  # made again below, of the workers registered now
+        for i, entry in enumerate(registry):
+            w = entry.info.worker_id
+            if entry.info.role is decode_role:
+                slots[w] = (i, True, len(decode))
+                decode.append(_memo_decode_view(memo, entry, pending))
+            else:
+                slots[w] = (i, False, len(prefill))
+                prefill.append(_memo_prefill_view(memo, entry, pending, match_of(w), pace_of(w), now_s))
+        memo.slots = slots
+        memo.all_seen = all(w in paces for w, (_, is_decode, _) in slots.items() if not is_decode)
+    memo.registry, memo.serial, memo.matched, memo.paces = registry, pending.serial, matched, paces
+    memo.views = (prefill, decode)
+    return prefill, decode
+
+
 def build_snapshot(registry: Sequence[RegistryEntry], matches: MatchSnapshot | None, pending: PendingView,
                    now_s: float, prefix_rate_per_s: float = 0.0,
                    paces: Mapping[str, Pace] | None = None, memo: ViewMemo | None = None) -> ClusterSnapshot:
@@ -271,23 +375,17 @@ def build_snapshot(registry: Sequence[RegistryEntry], matches: MatchSnapshot | N
     ``memo``: the views of the last snapshot built with it, reused where nothing changed, see
     ``ViewMemo``; the snapshot is the same with or without)."""
     paces = paces or {}
+    get_pace = paces.get
 
-    def unseen() -> Pace:
-        return getattr(paces, "unseen", _NO_PACE)
+    def pace_of(worker_id: str) -> Pace:
+        return get_pace(worker_id) or getattr(paces, "unseen", _NO_PACE)
 
     # A match with no usable block reads as none (most workers of a large cluster).
     by_worker = {m.worker_id: m for m in matches.matches if m.num_blocks_usable} if matches is not None else {}
-    prefill, decode = [], []
-    decode_role, match_of, pace_of = WorkerRole.DECODE, by_worker.get, paces.get  # once, not per worker
-    for entry in registry:
-        info = entry.info
-        w = info.worker_id
-        if info.role is decode_role:
-            decode.append(_decode_view(entry, pending) if memo is None else _memo_decode_view(memo, entry, pending))
-        elif memo is None:
-            prefill.append(_prefill_view(entry, pending, match_of(w), pace_of(w) or unseen(), now_s))
-        else:
-            prefill.append(_memo_prefill_view(memo, entry, pending, match_of(w), pace_of(w) or unseen(), now_s))
+    if memo is None:
+        prefill, decode = _all_views(registry, pending, by_worker.get, pace_of, now_s)
+    else:
+        prefill, decode = _memo_views(memo, registry, pending, by_worker, paces, pace_of, now_s)
     # Made without ClusterSnapshot's checks (two passes over every worker, per decision): each
     # view's role is set above from the registry's, whose worker ids are unique.
     snapshot = object.__new__(ClusterSnapshot)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from collections import Counter
 
 import pytest
@@ -135,8 +136,9 @@ def test_a_view_memo_changes_no_snapshot() -> None:
     def both(now_s: float, age_s: float = 0.0):
         registry[0] = RegistryEntry(registry[0].info, registry[0].load, age_s)
         paces = {"p1": Pace(1.5, 0.01, 0.002)}  # made anew per decision, as the Conductor's are
-        plain = build_snapshot(registry, None, pending.view(), now_s, 0.0, paces)
-        memoised = build_snapshot(registry, None, pending.view(), now_s, 0.0, paces, memo)
+        view = pending.view()
+        plain = build_snapshot(registry, None, view, now_s, 0.0, paces)
+        memoised = build_snapshot(registry, None, view, now_s, 0.0, paces, memo)
         assert memoised == plain
         return memoised
 
@@ -157,6 +159,69 @@ def test_a_view_memo_changes_no_snapshot() -> None:
                                                    request_ids=("r0",)))
     after = both(0.8, age_s=0.8)
     assert after.decode[0].num_free_pages != first.decode[0].num_free_pages
+
+
+def test_a_view_memo_changes_no_snapshot_through_random_histories() -> None:
+    """The memo's update of the last snapshot (only the workers whose inputs changed, and the
+    timed ones timed) equals a full build after every step of random histories: routes and
+    their progress, new heartbeats (running jobs, listed requests), new paces (a ``Paces``
+    that grows, as ``WorkerSpeed``'s does), matches, a worker joining and leaving, a pending
+    view that skipped one."""
+    from conductor.speed import Paces
+    from kvstore.blocks import Tier
+    from kvstore.index import MatchSnapshot, WorkerMatch
+
+    rng = random.Random(11)
+    for _ in range(20):
+        pending, memo, paces = PendingWork(finished_ttl_s=0.3), ViewMemo(), Paces()
+        registry = [entry(f"p{i}", "prefill") for i in range(4)] + [entry(f"d{i}", "decode") for i in range(3)]
+        live: list[str] = []
+        now_s = 0.0
+        for step in range(60):
+            now_s += rng.choice([0.0, 0.01, 0.05, 0.2])
+            op = rng.random()
+            if op < 0.3:
+                rid = f"r{step}"
+                req = RouteRequest(rid, step, rng.randint(100, 200), 6, 20, BS)
+                reuse = ReusePlan(rng.randint(0, 2), None)
+                decision = RouteDecision(f"p{rng.randrange(4)}", f"d{rng.randrange(3)}", reuse)
+                pending.route(req, decision, now_s)
+                live.append(rid)
+            elif op < 0.5 and live:
+                rid = rng.choice(live)
+                getattr(pending, rng.choice(["prefill_done", "decode_started"]))(rid, now_s)
+                pending.generated(rid, rng.randint(1, 10))
+            elif op < 0.6 and live:
+                pending.finish(live.pop(rng.randrange(len(live))), now_s)
+            elif op < 0.75:
+                i = rng.randrange(len(registry))
+                e = registry[i]
+                if e.role is WorkerRole.PREFILL:
+                    listed = rng.sample(live, min(2, len(live)))
+                    jobs = tuple(PrefillJobLoad(rid, 50, 0, rng.choice([0.0, 0.02])) for rid in listed)
+                    load = WorkerLoad(num_free_pages=1000, prefill_jobs=jobs, timestamp_s=now_s)
+                else:
+                    load = WorkerLoad(num_free_pages=rng.randint(500, 1000), num_running=rng.randint(0, 2),
+                                      request_ids=tuple(rng.sample(live, min(2, len(live)))), timestamp_s=now_s)
+                registry[i] = RegistryEntry(e.info, load, 0.0)
+            elif op < 0.85:
+                worker = f"p{rng.randrange(4)}"
+                paces = Paces({**paces, worker: Pace(rng.uniform(0.8, 1.5), 0.01, 0.002)})
+            elif op < 0.9:
+                if len(registry) == 7:
+                    registry.insert(4, entry("p9", "prefill"))
+                else:
+                    del registry[4]
+            # every load ages with the clock; the registry is handed out anew or as it was
+            registry = [RegistryEntry(e.info, e.load, max(0.0, now_s - e.load.timestamp_s)) if e.load.prefill_jobs
+                        else e for e in registry]
+            matches = MatchSnapshot(6, tuple(WorkerMatch(f"p{i}", 6, rng.choice([0, 0, 2, 5]), (Tier.DRAM,) * 6)
+                                             for i in range(4)))
+            if rng.random() < 0.05:
+                pending.view()  # a view the memo did not see: it must look at every worker
+            view = pending.view()
+            plain = build_snapshot(tuple(registry), matches, view, now_s, 0.0, paces)
+            assert build_snapshot(tuple(registry), matches, view, now_s, 0.0, paces, memo) == plain, step
 
 
 def test_a_worker_not_seen_yet_runs_at_the_pooled_pace_of_those_seen() -> None:
@@ -332,6 +397,7 @@ def test_a_pending_view_is_the_same_viewed_often_or_once_and_never_changes_after
     equals one viewed only at the end, and an earlier view keeps what it held."""
     often, once = PendingWork(finished_ttl_s=0.5), PendingWork(finished_ttl_s=0.5)
     views: list[tuple[PendingView, dict]] = []
+    maps = [f.name for f in dataclasses.fields(PendingView) if f.compare]  # what a view holds
     for i in range(6):
         req = RouteRequest(f"r{i}", i, 100, 6, 20, BS)
         steps = [("route", req, RouteDecision(f"p{i % 2}", f"d{i % 3}", ReusePlan(i % 3, None)), 0.1 * i)]
@@ -344,7 +410,7 @@ def test_a_pending_view_is_the_same_viewed_often_or_once_and_never_changes_after
             getattr(often, name)(*args)
             getattr(once, name)(*args)
             view = often.view()
-            views.append((view, {f.name: dict(getattr(view, f.name)) for f in dataclasses.fields(view)}))
+            views.append((view, {name: dict(getattr(view, name)) for name in maps}))
     assert often.view() == once.view()
     for view, held in views:
-        assert {f.name: dict(getattr(view, f.name)) for f in dataclasses.fields(view)} == held
+        assert {name: dict(getattr(view, name)) for name in maps} == held
