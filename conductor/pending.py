@@ -11,6 +11,8 @@ Records are grouped by worker, and each worker's group is frozen (a tuple; finis
 dict by request id) only when it changed since the last ``view()``, and a view's maps by worker
 are those of the last view where no group in them changed, so a view costs the groups that
 changed (every token a stream receives changes its decode worker's) and a copy of their maps.
+Each view is numbered and names the workers whose groups changed since the one before it
+(``PendingView.serial``, ``changed``), so a snapshot can start from the last one's views.
 Thread-safe (one lock); time is given by the caller (the Conductor's injected clock).
 """
 

@@ -4,10 +4,12 @@ models whose every number can be computed by hand."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
 from clusterstate.workers import PrefillJobLoad
+from conductor.decode_batch import DecodeJobs
 from conductor.mooncake import queue_s, tbt_after_join
 from conductor.routing import (
     ClusterSnapshot,
@@ -20,6 +22,7 @@ from conductor.routing import (
     RouteDecision,
     RouteRequest,
     WorkerView,
+    decode_need_pages,
     make_policy,
 )
 from conductor.routing_config import RoutingConfig
@@ -248,3 +251,50 @@ def test_a_workers_hand_off_and_dispatch_add_to_its_predictions_and_not_to_its_f
     assert (p.queue_s, p.prefill_s, p.dispatch_s, p.handoff_s) == pytest.approx((1.1, 2 * 1.001 + 0.1, 0.01, 0.1))
     assert p.ttft_s == pytest.approx(0.01 + 1.1 + 2.102)
     assert p.model_prefill_s == pytest.approx(1.001)  # what the speed tracker compares with the engine's time
+
+
+def _random_decode(rng: random.Random, worker_id: str, now_s: float) -> WorkerView:
+    jobs = DecodeJobs(DecodeJob(f"{worker_id}-{i}", rng.randint(10, 3000), rng.randint(0, 400), rng.random() < 0.7,
+                                now_s + rng.uniform(-0.5, 3.0)) for i in range(rng.randint(0, 10)))
+    running = sum(j.decoding for j in jobs) + rng.choice([0, 0, 2])  # some another Conductor's
+    context = sum(j.num_tokens for j in jobs if j.decoding) + rng.choice([0, 500])
+    return WorkerView(worker_id, "decode", f"rpc-{worker_id}", f"tcp://{worker_id}",
+                      num_free_pages=rng.choice([5, 400, 1000, 1000]), num_running=running,
+                      num_context_tokens=context, decode_jobs=jobs)
+
+
+def test_the_predictive_decode_choice_is_a_full_pass_over_tbt_after_join() -> None:
+    """The policy's decode choice (one pass with each view's basis kept between decisions)
+    equals the minimum of (TBT, fewer free pages, id) over every fitting worker, each TBT the
+    second ``tbt_after_join`` prediction, through histories where some views change and
+    workers join and leave."""
+    costs = CostModels.analytic(prefill_s_per_token=1e-4, decode_base_s=0.010, decode_s_per_request=0.002,
+                                decode_s_per_context_token=1e-6)
+    rng, decide = random.Random(5), make_policy("mooncake", PolicyContext(RoutingConfig(), costs))
+    views = [_random_decode(rng, f"d{i:02d}", 0.0) for i in range(12)]
+    for step in range(400):
+        now_s = step * 0.05
+        for _ in range(rng.choice([0, 1, 3])):
+            i = rng.randrange(len(views))
+            views[i] = _random_decode(rng, views[i].worker_id, now_s)
+        if rng.random() < 0.1:
+            if len(views) > 12:
+                views.pop(rng.randrange(len(views)))
+            else:
+                views.insert(rng.randrange(len(views)), _random_decode(rng, f"new{step}", now_s))
+        n = rng.randint(1, 4000)
+        req = RouteRequest(f"r{step}", step, n, n // BS, rng.randint(1, 500), BS, math.inf, math.inf)
+        jobs = queued(rng.randint(0, 3), rng.randint(10, 2000))
+        s = ClusterSnapshot((prefill("p", jobs=jobs),), tuple(views), now_s, 0.0)
+        decision = decide(s, req)
+        if isinstance(decision, Rejection):
+            assert not any(v.num_free_pages >= decode_need_pages(req) for v in views), decision
+            continue
+        ttft_s, scored = decision.predicted.ttft_s, []
+        for w in views:
+            if w.num_free_pages >= decode_need_pages(req):
+                first = tbt_after_join(w, req, costs, ttft_s, now_s)
+                tbt = tbt_after_join(w, req, costs, ttft_s, now_s, ttft_s + req.max_tokens * first)
+                scored.append((tbt, -w.num_free_pages, w.worker_id))
+        tbt, _, worker_id = min(scored)
+        assert (decision.decode_worker, decision.predicted.tbt_s) == (worker_id, tbt), step
