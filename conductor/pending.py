@@ -11,13 +11,15 @@ Records are grouped by worker, and each worker's group is frozen (a tuple; finis
 dict by request id) only when it changed since the last ``view()``, and a view's maps by worker
 are those of the last view where no group in them changed, so a view costs the groups that
 changed (every token a stream receives changes its decode worker's) and a copy of their maps.
-Each view is numbered and names the workers whose groups changed since the one before it
-(``PendingView.serial``, ``changed``), so a snapshot can start from the last one's views.
+Each view is numbered (with its overlay's number) and names the workers whose groups changed
+since the one before it (``PendingView.overlay``, ``serial``, ``changed``), so a snapshot can
+start from the last one's views.
 Thread-safe (one lock); time is given by the caller (the Conductor's injected clock).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections import defaultdict, deque
@@ -30,6 +32,7 @@ from conductor.routing import DecodeJob, RouteDecision, RouteRequest, decode_nee
 
 # Groups frozen from another group's records (thawed with it).
 _DERIVED = {"on_decode": "decode_jobs", "in_prefill": "prefill_jobs"}
+_OVERLAYS = itertools.count(1)  # numbers each PendingWork: whose view a PendingView is
 
 
 @dataclass(frozen=True)
@@ -94,8 +97,9 @@ class PendingView:
     # was free to start the next one then).
     prefill_free_at_s: Mapping[str, float] = field(default_factory=dict)
     # The workers whose groups (or free moment) changed since the view numbered ``serial - 1``
-    # of the same overlay; None: not known (a snapshot memo then checks every worker). Not
-    # part of what a view holds: two views of the same records are equal.
+    # of the same overlay (``overlay``: its number); None: not known (a snapshot memo then
+    # checks every worker). Not part of what a view holds: two views of the same records are equal.
+    overlay: int = field(default=0, compare=False)
     serial: int = field(default=0, compare=False)
     changed: frozenset[str] | None = field(default=None, compare=False)
 
@@ -115,6 +119,7 @@ class PendingWork:
         # replaced (handed-out maps are never changed), so it costs the changed groups only.
         self._published: dict[str, dict[str, object]] = {}
         self._changed: dict[str, set[str]] = defaultdict(set)
+        self._overlay = next(_OVERLAYS)
         self._serial = 0  # views handed out
         self._touched: set[str] = set()  # workers with a group changed since the last view
         self._lock = threading.Lock()
@@ -255,7 +260,7 @@ class PendingWork:
                 decode_jobs=self._by_worker("decode_jobs", self._groups["on_decode"]),
                 ended_on_decode=self._by_worker("ended_on_decode", self._groups["ended_on_decode"]),
                 prefill_free_at_s=dict(self._free_at),
-                serial=self._serial, changed=changed,
+                overlay=self._overlay, serial=self._serial, changed=changed,
             )
 
     def __len__(self) -> int:

@@ -29,15 +29,15 @@ class ViewMemo:
     (a worker that left keeps its entry until its id registers again, a few hundred bytes).
 
     It also keeps the last snapshot's inputs and views, so that the next one, when the
-    registry holds the same workers in the same order and the pending view is the overlay's
-    next (``PendingView.serial``), looks only at the workers that may have changed
-    (``_changed_workers``) and copies every other view from the last snapshot."""
+    registry holds the same workers in the same order and the pending view is the same
+    overlay's next (``PendingView.overlay``, ``serial``), looks only at the workers that may
+    have changed (``_changed_workers``) and copies every other view from the last snapshot."""
 
     def __init__(self) -> None:
         self.prefill: dict[str, tuple] = {}
         self.decode: dict[str, tuple] = {}
         self.registry: Sequence[RegistryEntry] | None = None  # the last snapshot's inputs
-        self.serial = -1
+        self.overlay, self.serial = 0, -1  # the last pending view's (PendingView)
         self.paces: Mapping[str, Pace] | None = None
         self.all_seen = False  # every prefill worker then had a pace of its own
         self.matched: frozenset[str] = frozenset()
@@ -95,12 +95,12 @@ def _changed_workers(memo: ViewMemo, registry: Sequence[RegistryEntry], pending:
     """The workers whose views' inputs may differ from those of the last snapshot built with
     ``memo`` (besides the clock, which moves the jobs of ``memo.timed``): a new registration
     or load, a pending group or free moment changed since the last view, a match now or then,
-    a new pace. None when that is not known, and
-    every worker must be looked at: the registry's workers or order changed, the pending view
-    is not the overlay's next, a pace was dropped, or one applies to workers not seen yet."""
+    a new pace. None when that is not known, and every worker must be looked at: the
+    registry's workers or order changed, the pending view is not the same overlay's next, a
+    pace was dropped, or one applies to workers not seen yet."""
     last = memo.registry
     if (last is None or len(last) != len(registry) or pending.changed is None
-            or pending.serial != memo.serial + 1):
+            or pending.overlay != memo.overlay or pending.serial != memo.serial + 1):
         return None
     changed = set(pending.changed)
     changed |= matched
@@ -170,7 +170,8 @@ def _memo_views(memo: ViewMemo, registry: Sequence[RegistryEntry], pending: Pend
                 prefill.append(_memo_prefill_view(memo, entry, pending, match_of(w), pace_of(w), now_s))
         memo.slots = slots
         memo.all_seen = all(w in paces for w, (_, is_decode, _) in slots.items() if not is_decode)
-    memo.registry, memo.serial, memo.matched, memo.paces = registry, pending.serial, matched, paces
+    memo.registry, memo.matched, memo.paces = registry, matched, paces
+    memo.overlay, memo.serial = pending.overlay, pending.serial
     memo.views = (prefill, decode)
     return prefill, decode
 

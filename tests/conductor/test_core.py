@@ -224,6 +224,21 @@ def test_a_view_memo_changes_no_snapshot_through_random_histories() -> None:
             assert build_snapshot(tuple(registry), matches, view, now_s, 0.0, paces, memo) == plain, step
 
 
+def test_a_view_memo_fed_another_overlay_s_next_view_looks_at_every_worker() -> None:
+    """A view numbered next by another overlay says nothing of what changed since the memo's
+    last one: the memo must not start from the last snapshot's views."""
+    registry = [entry("p0", "prefill"), entry("d0", "decode")]
+    mine, other, memo, paces = PendingWork(), PendingWork(), ViewMemo(), {"p0": Pace()}
+    first = build_snapshot(registry, None, mine.view(), 0.0, 0.0, paces, memo)
+    other.route(RouteRequest("r0", 0, 100, 6, 20, BS), RouteDecision("p0", "d0", ReusePlan(0, None)), 0.0)
+    other.view()
+    later = other.view()  # serial 2, as mine's next would be, and nothing changed since its serial 1
+    assert later.serial == 2 and later.changed == frozenset()
+    memoised = build_snapshot(registry, None, later, 0.1, 0.0, paces, memo)
+    assert memoised == build_snapshot(registry, None, later, 0.1, 0.0, paces) != first
+    assert [j.request_id for j in memoised.prefill[0].prefill_jobs] == ["r0"]
+
+
 def test_a_worker_not_seen_yet_runs_at_the_pooled_pace_of_those_seen() -> None:
     """A worker that joins a cluster running at about twice the calibrated time is predicted
     at that pace, not at the calibration's, until its own first prefill; and that first
