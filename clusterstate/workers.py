@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 
 class WorkerRole(enum.StrEnum):
@@ -67,8 +68,8 @@ class PrefillJobLoad:
     elapsed_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.num_new_tokens < 0 or self.num_reused_tokens < 0 or self.elapsed_s < 0:
-            raise ValueError(f"prefill job {self.request_id!r}: negative count in {self}")
+        if self.num_new_tokens < 0 or self.num_reused_tokens < 0 or not 0 <= self.elapsed_s < math.inf:
+            raise ValueError(f"prefill job {self.request_id!r}: negative count or elapsed_s not finite in {self}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

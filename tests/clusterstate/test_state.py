@@ -4,6 +4,7 @@ clock. The shared log's own behaviour (gaps, snapshots, outages) is in test_redi
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 from typing import TYPE_CHECKING
@@ -182,6 +183,9 @@ def test_invalid_inputs_raise_value_error(harness: Harness) -> None:
         WorkerLoad(num_queued=-1)
     with pytest.raises(ValueError, match="negative"):
         PrefillJobLoad("r", -1)
+    for elapsed_s in (-0.5, math.nan, math.inf):  # a heartbeat's NaN would pass a plain `< 0` test
+        with pytest.raises(ValueError, match="elapsed_s not finite"):
+            PrefillJobLoad("r", 10, 0, elapsed_s)
 
 
 def _hit_rule_match(holdings: dict[str, dict[bytes, tuple[Tier, bool]]], alive: list[str],
