@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
 from collections import Counter
 
 import pytest
@@ -124,119 +123,6 @@ def test_heartbeat_jobs_and_own_pending_are_each_counted_once() -> None:
     assert not any(j.decoding for j in d.decode_jobs)  # both still in prefill
     for view in snap.prefill + snap.decode:  # built without __init__, equal to a checked one
         assert dataclasses.replace(view) == view
-
-
-def test_a_view_memo_changes_no_snapshot() -> None:
-    """Snapshots built with a ViewMemo equal those built without, through routes, progress,
-    ends, a new heartbeat and an aging one; unchanged workers get their last view back."""
-    pending, memo = PendingWork(), ViewMemo()
-    load_p = WorkerLoad(prefill_jobs=(PrefillJobLoad("x", 68, 32, 0.25),))
-    registry = [entry("p0", "prefill", load_p), entry("p1", "prefill"), entry("d0", "decode"), entry("d1", "decode")]
-
-    def both(now_s: float, age_s: float = 0.0):
-        registry[0] = RegistryEntry(registry[0].info, registry[0].load, age_s)
-        paces = {"p1": Pace(1.5, 0.01, 0.002)}  # made anew per decision, as the Conductor's are
-        view = pending.view()
-        plain = build_snapshot(registry, None, view, now_s, 0.0, paces)
-        memoised = build_snapshot(registry, None, view, now_s, 0.0, paces, memo)
-        assert memoised == plain
-        return memoised
-
-    first = both(0.0)
-    assert both(0.0).decode[1] is first.decode[1] and both(0.0).prefill[1] is first.prefill[1]
-    for i in range(3):
-        req = RouteRequest(f"r{i}", i, 100, 6, 20, BS)
-        pending.route(req, RouteDecision(f"p{i % 2}", f"d{i % 2}", ReusePlan(2, None)), 0.1 * i)
-        both(0.1 * i, age_s=0.1 * i)
-    pending.prefill_done("r0", 0.5)
-    pending.decode_started("r0", 0.5)
-    both(0.5, age_s=0.5)
-    pending.generated("r0", 4)
-    both(0.6, age_s=0.5)
-    pending.finish("r1", 0.7)
-    both(0.7, age_s=0.7)
-    registry[2] = entry("d0", "decode", WorkerLoad(num_free_pages=900, num_running=1, num_context_tokens=104,
-                                                   request_ids=("r0",)))
-    after = both(0.8, age_s=0.8)
-    assert after.decode[0].num_free_pages != first.decode[0].num_free_pages
-
-
-def test_a_view_memo_changes_no_snapshot_through_random_histories() -> None:
-    """The memo's update of the last snapshot (only the workers whose inputs changed, and the
-    timed ones timed) equals a full build after every step of random histories: routes and
-    their progress, new heartbeats (running jobs, listed requests), new paces (a ``Paces``
-    that grows, as ``WorkerSpeed``'s does), matches, a worker joining and leaving, a pending
-    view that skipped one."""
-    from conductor.speed import Paces
-    from kvstore.blocks import Tier
-    from kvstore.index import MatchSnapshot, WorkerMatch
-
-    rng = random.Random(11)
-    for _ in range(20):
-        pending, memo, paces = PendingWork(finished_ttl_s=0.3), ViewMemo(), Paces()
-        registry = [entry(f"p{i}", "prefill") for i in range(4)] + [entry(f"d{i}", "decode") for i in range(3)]
-        live: list[str] = []
-        now_s = 0.0
-        for step in range(60):
-            now_s += rng.choice([0.0, 0.01, 0.05, 0.2])
-            op = rng.random()
-            if op < 0.3:
-                rid = f"r{step}"
-                req = RouteRequest(rid, step, rng.randint(100, 200), 6, 20, BS)
-                reuse = ReusePlan(rng.randint(0, 2), None)
-                decision = RouteDecision(f"p{rng.randrange(4)}", f"d{rng.randrange(3)}", reuse)
-                pending.route(req, decision, now_s)
-                live.append(rid)
-            elif op < 0.5 and live:
-                rid = rng.choice(live)
-                getattr(pending, rng.choice(["prefill_done", "decode_started"]))(rid, now_s)
-                pending.generated(rid, rng.randint(1, 10))
-            elif op < 0.6 and live:
-                pending.finish(live.pop(rng.randrange(len(live))), now_s)
-            elif op < 0.75:
-                i = rng.randrange(len(registry))
-                e = registry[i]
-                if e.role is WorkerRole.PREFILL:
-                    listed = rng.sample(live, min(2, len(live)))
-                    jobs = tuple(PrefillJobLoad(rid, 50, 0, rng.choice([0.0, 0.02])) for rid in listed)
-                    load = WorkerLoad(num_free_pages=1000, prefill_jobs=jobs, timestamp_s=now_s)
-                else:
-                    load = WorkerLoad(num_free_pages=rng.randint(500, 1000), num_running=rng.randint(0, 2),
-                                      request_ids=tuple(rng.sample(live, min(2, len(live)))), timestamp_s=now_s)
-                registry[i] = RegistryEntry(e.info, load, 0.0)
-            elif op < 0.85:
-                worker = f"p{rng.randrange(4)}"
-                paces = Paces({**paces, worker: Pace(rng.uniform(0.8, 1.5), 0.01, 0.002)})
-            elif op < 0.9:
-                if len(registry) == 7:
-                    registry.insert(4, entry("p9", "prefill"))
-                else:
-                    del registry[4]
-            # every load ages with the clock; the registry is handed out anew or as it was
-            registry = [RegistryEntry(e.info, e.load, max(0.0, now_s - e.load.timestamp_s)) if e.load.prefill_jobs
-                        else e for e in registry]
-            matches = MatchSnapshot(6, tuple(WorkerMatch(f"p{i}", 6, rng.choice([0, 0, 2, 5]), (Tier.DRAM,) * 6)
-                                             for i in range(4)))
-            if rng.random() < 0.05:
-                pending.view()  # a view the memo did not see: it must look at every worker
-            view = pending.view()
-            plain = build_snapshot(tuple(registry), matches, view, now_s, 0.0, paces)
-            assert build_snapshot(tuple(registry), matches, view, now_s, 0.0, paces, memo) == plain, step
-
-
-def test_a_view_memo_fed_another_overlay_s_next_view_looks_at_every_worker() -> None:
-    """A view numbered next by another overlay says nothing of what changed since the memo's
-    last one: the memo must not start from the last snapshot's views."""
-    registry = [entry("p0", "prefill"), entry("d0", "decode")]
-    mine, other, memo, paces = PendingWork(), PendingWork(), ViewMemo(), {"p0": Pace()}
-    first = build_snapshot(registry, None, mine.view(), 0.0, 0.0, paces, memo)
-    other.route(RouteRequest("r0", 0, 100, 6, 20, BS), RouteDecision("p0", "d0", ReusePlan(0, None)), 0.0)
-    other.view()
-    later = other.view()  # serial 2, as mine's next would be, and nothing changed since its serial 1
-    assert later.serial == 2 and later.changed == frozenset()
-    memoised = build_snapshot(registry, None, later, 0.1, 0.0, paces, memo)
-    assert memoised == build_snapshot(registry, None, later, 0.1, 0.0, paces) != first
-    assert [j.request_id for j in memoised.prefill[0].prefill_jobs] == ["r0"]
 
 
 def test_a_worker_not_seen_yet_runs_at_the_pooled_pace_of_those_seen() -> None:
