@@ -225,12 +225,14 @@ def _retry_hint_s(worker: WorkerView, costs: CostModels, now_s: float) -> float:
 
 
 def _decode_choice(snapshot: ClusterSnapshot, request: RouteRequest, costs: CostModels, mode: str,
-                   ttft_s: float, bases: DecodeBases) -> tuple[WorkerView, float]:
+                   ttft_s: float, bases: dict[str, tuple[WorkerView, DecodeBasis]]) -> tuple[WorkerView, float]:
     """The fitting decode worker with the lowest predicted TBT, and that TBT. Worker ids are
     unique, so the minimum never compares the views.
 
     Predictive: ``tbt_after_join`` at ``ttft_s`` until the end of this request's decode (its
-    max tokens at the step time on joining), from each view's basis (``bases``); the two
+    max tokens at the step time on joining), from each view's basis (``bases``: by worker id,
+    the view it was made of and the basis, kept while the snapshots hand out the same view: it
+    stays true for a frozen view, and most decode views are the last decision's); the two
     predictions share everything but who joins (written out in one pass, ``_staying`` and
     ``fitting_decode`` included: this runs for every decode worker of every decision)."""
     if mode == "early":
@@ -240,15 +242,14 @@ def _decode_choice(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cost
         return worker, tbt
     now_s, max_tokens, step_s = snapshot.time_s, request.max_tokens, costs.decode_step_s
     need, num_prompt_tokens = decode_need_pages(request), request.num_prompt_tokens
-    kept = bases.kept
     scored = []
     for w in snapshot.decode:
         free = w.num_free_pages
         if free < need:
             continue
-        hit = kept.get(w.worker_id)
+        hit = bases.get(w.worker_id)
         if hit is None or hit[0] is not w:
-            hit = kept[w.worker_id] = (w, DecodeBasis.of(w, costs))
+            hit = bases[w.worker_id] = (w, DecodeBasis.of(w, costs))
         index, other, other_tokens, leave_times = hit[1]
         first = bisect_right(leave_times, ttft_s)  # the running jobs leaving by then (_staying)
         batch = other + index.num_running - first + 1
@@ -265,20 +266,11 @@ def _decode_choice(snapshot: ClusterSnapshot, request: RouteRequest, costs: Cost
     return worker, tbt
 
 
-class DecodeBases:
-    """``DecodeBasis.of`` kept per decode worker while the snapshots hand out the same view
-    (a view is frozen, so its basis stays true; on a large cluster most decode workers' views
-    are the last decision's). ``kept``: worker id -> (view, basis), one view per worker id."""
-
-    def __init__(self) -> None:
-        self.kept: dict[str, tuple[WorkerView, DecodeBasis]] = {}
-
-
 def make_mooncake(context: PolicyContext) -> Policy:
     if context.costs is None:
         raise ValueError("the mooncake policy needs cost models (a calibration from `tidekv calibrate`)")
     costs, config = context.costs, context.routing
-    bases = DecodeBases()
+    bases: dict[str, tuple[WorkerView, DecodeBasis]] = {}  # see _decode_choice
 
     def mooncake(snapshot: ClusterSnapshot, request: RouteRequest) -> RouteDecision | Rejection:
         rejection = admission_rejection(snapshot, request)
