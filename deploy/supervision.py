@@ -168,7 +168,8 @@ class Supervisor:
 
     def replace(self, name: str, down_s: float = 0.0) -> None:
         """SIGKILLs member ``name``, waits for it and launches it again ``down_s`` later (no
-        backoff)."""
+        backoff). Holds the supervisor's lock throughout, so no other member is watched or
+        restarted during ``down_s`` (a test's outage of seconds)."""
         with self._lock:
             m = self._members[name]
             m.exit_expected = True
