@@ -39,7 +39,7 @@ class ViewMemo:
         self.registry: Sequence[RegistryEntry] | None = None  # the last snapshot's inputs
         self.overlay, self.serial = 0, -1  # the last pending view's (PendingView)
         self.paces: Mapping[str, Pace] | None = None
-        self.all_seen = False  # every prefill worker then had a pace of its own
+        self.unseen: set[str] = set()  # the registered prefill workers without a pace of their own
         self.matched: frozenset[str] = frozenset()
         self.timed: set[str] = set()  # prefill workers whose view moves with the clock
         self.views: tuple[list[WorkerView], list[WorkerView]] = ([], [])  # the last snapshot's
@@ -95,9 +95,9 @@ def _changed_workers(memo: ViewMemo, registry: Sequence[RegistryEntry], pending:
     """The workers whose views' inputs may differ from those of the last snapshot built with
     ``memo`` (besides the clock, which moves the jobs of ``memo.timed``): a new registration
     or load, a pending group or free moment changed since the last view, a match now or then,
-    a new pace. None when that is not known, and every worker must be looked at: the
-    registry's workers or order changed, the pending view is not the same overlay's next, a
-    pace was dropped, or one applies to workers not seen yet."""
+    a new pace (of its own, or the ``unseen`` one of the workers without one). None when that
+    is not known, and every worker must be looked at: the registry's workers or order changed,
+    the pending view is not the same overlay's next, or a pace was dropped."""
     last = memo.registry
     if (last is None or len(last) != len(registry) or pending.changed is None
             or pending.overlay != memo.overlay or pending.serial != memo.serial + 1):
@@ -112,14 +112,24 @@ def _changed_workers(memo: ViewMemo, registry: Sequence[RegistryEntry], pending:
             changed.add(new.info.worker_id)
     old_paces = memo.paces
     if paces is not old_paces:
-        if not memo.all_seen or old_paces is None or not old_paces.keys() <= paces.keys():
-            return None  # a worker's pace may be the ``unseen`` one, which moves with every sample
+        if old_paces is None or not old_paces.keys() <= paces.keys():
+            return None
         get = old_paces.get
         for w, pace in paces.items():
             was = get(w)
             if was is not pace and was != pace:
-                changed.add(w)
+                changed.add(w)  # a new pace, or a worker's first
+        if memo.unseen:
+            unseen = {w for w in memo.unseen if w not in paces}
+            if unseen and _unseen_pace(paces) != _unseen_pace(old_paces):
+                changed |= unseen  # the pooled pace moves with every sample
+            memo.unseen = unseen
     return changed
+
+
+def _unseen_pace(paces: Mapping[str, Pace]) -> Pace:
+    """The pace of a worker not in ``paces`` (``Paces.unseen``; ``Pace()`` in a plain mapping)."""
+    return getattr(paces, "unseen", _NO_PACE)
 
 
 def _all_views(registry: Sequence[RegistryEntry], pending: PendingView, match_of, pace_of,
@@ -169,8 +179,8 @@ def _memo_views(memo: ViewMemo, registry: Sequence[RegistryEntry], pending: Pend
                 slots[w] = (i, False, len(prefill))
                 prefill.append(_memo_prefill_view(memo, entry, pending, match_of(w), pace_of(w), now_s))
         memo.slots = slots
-        memo.all_seen = all(w in paces for w, (_, is_decode, _) in slots.items() if not is_decode)
-    memo.registry, memo.matched, memo.paces = registry, matched, paces
+        memo.unseen = {w for w, (_, is_decode, _) in slots.items() if not is_decode and w not in paces}
+    memo.registry, memo.matched, memo.paces = tuple(registry), matched, paces  # (a list may change after)
     memo.overlay, memo.serial = pending.overlay, pending.serial
     memo.views = (prefill, decode)
     return prefill, decode
@@ -183,12 +193,13 @@ def build_snapshot(registry: Sequence[RegistryEntry], matches: MatchSnapshot | N
     ``paces``: each prefill worker's pace lately, ``conductor.speed``; a worker not in it has
     its ``unseen`` pace (``Paces``), or ``Pace()`` (a plain mapping, or none);
     ``memo``: the views of the last snapshot built with it, reused where nothing changed, see
-    ``ViewMemo``; the snapshot is the same with or without)."""
+    ``ViewMemo``; the snapshot is the same with or without). A ``paces`` is never changed once
+    passed (a new one per change, as ``WorkerSpeed``'s): the memo tells them apart by identity."""
     paces = paces or {}
     get_pace = paces.get
 
     def pace_of(worker_id: str) -> Pace:
-        return get_pace(worker_id) or getattr(paces, "unseen", _NO_PACE)
+        return get_pace(worker_id) or _unseen_pace(paces)
 
     # A match with no usable block reads as none (most workers of a large cluster).
     by_worker = {m.worker_id: m for m in matches.matches if m.num_blocks_usable} if matches is not None else {}
