@@ -37,7 +37,8 @@ last-writer-wins per worker and block); routing never waits on the store: it rea
 local state. Overlay entries (``share``) go out from a background thread in batches.
 
 Every record read is verified (``clusterstate.records``): a malformed, oversized or foreign
-record is dropped and logged once; it never stops the reader. Thread-safe.
+record is dropped and logged once; it never stops the reader. Thread-safe. What a snapshot
+holds and how a whole state is written into a new log: ``clusterstate.log_snapshot``.
 """
 
 from __future__ import annotations
@@ -56,18 +57,13 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from clusterstate.log import EntryApplier, entry, record_of
+from clusterstate.log import EntryApplier, entry
+from clusterstate.log_snapshot import PUT_SNAPSHOT, SNAPSHOT_LOCK_MS, republished, snapshot_workers, state_snapshot
 from clusterstate.records import RecordError, StoreKeys
-from clusterstate.registry import WorkerEntry
-from kvstore.block_index import BlockHold
 from proto import state_pb2 as spb
-from proto.convert import block_event, load_from_proto, load_to_proto
 
 log = logging.getLogger(__name__)
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
-KEY_BYTES = 16
-SNAPSHOT_LOCK_MS = 5_000  # one replica writes a snapshot at a time (released when written)
-REPUBLISH_EVENTS = 20_000  # block events per entry when a replica writes its state into a new log
 EPOCH_CHECK_S = 2.0  # how often an idle reader checks that the store still holds its log
 
 _APPEND = """
@@ -78,17 +74,6 @@ for i = 2, #ARGV, 2 do
   out[#out + 1] = s
 end
 return out
-"""
-# A snapshot replaces the stored one only when it is newer in the same epoch; the stream is
-# then trimmed up to the *previous* snapshot's position, so a replica a little behind the
-# writer reads on without a gap (one falling a whole interval behind repairs from the snapshot).
-_PUT_SNAPSHOT = """
-if redis.call('GET', KEYS[3]) == ARGV[5] then redis.call('DEL', KEYS[3]) end
-local old = redis.call('HMGET', KEYS[1], 'seq', 'epoch', 'position')
-if old[1] and old[2] == ARGV[3] and tonumber(old[1]) >= tonumber(ARGV[1]) then return 0 end
-redis.call('HSET', KEYS[1], 'seq', ARGV[1], 'position', ARGV[2], 'epoch', ARGV[3], 'blob', ARGV[4])
-if old[3] and old[2] == ARGV[3] then redis.call('XTRIM', KEYS[2], 'MINID', old[3]) end
-return 1
 """
 
 
@@ -132,7 +117,7 @@ class RedisLog:
         self._stream, self._seq_key, self._epoch_key = f"{ns}:log", f"{ns}:seq", f"{ns}:epoch"
         self._snapshot_key, self._lock_key, self._nonce_prefix = f"{ns}:snapshot", f"{ns}:snaplock", f"{ns}:nonce:"
         self._append = self._redis.register_script(_APPEND)
-        self._put_snapshot = self._redis.register_script(_PUT_SNAPSHOT)
+        self._put_snapshot = self._redis.register_script(PUT_SNAPSHOT)
         self._cond = threading.Condition()
         self.position = "0-0"  # the last stream id applied
         self.seq = 0  # its sequence number
@@ -413,22 +398,13 @@ class RedisLog:
             self._synced = True
 
     def _republish(self) -> None:
-        """This replica's state as log entries (each registration at the time it was last
-        heard of, then its blocks), so that a replica reading the new log from its start finds
-        the cluster before any snapshot of it exists. Other replicas that republish too only
-        repeat the same changes."""
-        batch: list[dict[bytes, bytes]] = []
-        for worker, held in self.applier.state.export():
-            info = worker.info
-            batch.append(self.keys.entry_fields(entry(self.replica_id, worker.last_seen_s,
-                                                      registered=record_of(info, self.keys))))
-            events = [block_event(k, h.tier, h.has_snapshot) for k, h in held.items()]
-            for start in range(0, len(events), REPUBLISH_EVENTS):
-                blocks = spb.BlocksEntry(worker_id=info.worker_id, events=events[start:start + REPUBLISH_EVENTS])
-                batch.append(self.keys.entry_fields(entry(self.replica_id, worker.last_seen_s, blocks=blocks)))
+        """This replica's state written into the new log (``log_snapshot.republished``). Other
+        replicas that republish too only repeat the same changes."""
+        holdings = self.applier.state.export()
+        batch = republished(holdings, self.keys, self.replica_id)
         for start in range(0, len(batch), 1000):
             self._append_fields(batch[start:start + 1000])
-        log.info("wrote this replica's %d workers into the new log", sum(1 for _ in self.applier.state.export()))
+        log.info("wrote this replica's %d workers into the new log", len(holdings))
 
     def _stored_snapshot(self, reader: redis.Redis, epoch: str) -> spb.StateSnapshot | None:
         fields = reader.hgetall(self._snapshot_key)
@@ -442,12 +418,7 @@ class RedisLog:
         return snapshot if snapshot.epoch == epoch else None
 
     def _restore(self, snapshot: spb.StateSnapshot) -> None:
-        workers = []
-        for w in snapshot.workers:
-            info = self.applier.worker_of(w.record)
-            held = {w.keys[i:i + KEY_BYTES]: BlockHold.of_code(w.codes[i // KEY_BYTES])
-                    for i in range(0, len(w.keys), KEY_BYTES)}
-            workers.append((WorkerEntry(info, load_from_proto(w.load), w.last_seen_s, w.heartbeat_seq), held))
+        workers = snapshot_workers(snapshot, self.applier.worker_of)
         self.applier.state.replace(workers)
         self._restored_newest_s = max((w.last_seen_s for w in snapshot.workers), default=0.0)
         with self._cond:
@@ -474,14 +445,7 @@ class RedisLog:
         a caller that holds the reader still)."""
         with self._cond:
             position, seq, epoch = self.position, self.seq, self.epoch or ""
-        out = spb.StateSnapshot(position=position, seq=seq, epoch=epoch)
-        for worker, held in self.applier.state.export():
-            keys = sorted(held)
-            out.workers.append(spb.WorkerSnapshot(
-                record=record_of(worker.info, self.keys), load=load_to_proto(worker.load),
-                last_seen_s=worker.last_seen_s, heartbeat_seq=worker.heartbeat_seq, keys=b"".join(keys),
-                codes=bytes(held[k].code for k in keys)))
-        return out
+        return state_snapshot(self.applier.state, self.keys, position, seq, epoch)
 
     # ---- the store's health --------------------------------------------------------------------
     def _mark_degraded(self, e: BaseException) -> None:
