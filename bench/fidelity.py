@@ -323,10 +323,19 @@ def judge(work: Path, args: argparse.Namespace, reuse: bool) -> dict:
     }
 
 
+def _scatter(values: list[float]) -> dict:
+    return {"values": [round(v, 4) for v in values],
+            "max_over_min": round(max(values) / min(values), 3) if values and min(values) > 0 else None}
+
+
 def over_runs(runs: list[dict]) -> dict:
     """Each fold's out-of-sample errors across the runs: median, min and max per metric, how
     many runs met the goal, and whether the medians do; with each run's drift between its
-    windows (``host_speed``'s second window over its first) beside them."""
+    windows (``host_speed``'s second window over its first) beside them, and
+    ``live_between_runs``: each window's live figures in every run, with their largest over
+    their smallest. The runs replay the same requests, so that is how far the live side alone
+    scatters between runs of identical work on this host: a single run's error cannot be
+    held under a bound that scatter exceeds, however faithful the simulator."""
     out = {}
     for fold in ("fit_on_first", "fit_on_second"):
         judged = [r["folds"][fold]["validation"] for r in runs]
@@ -341,6 +350,11 @@ def over_runs(runs: list[dict]) -> dict:
     drift = [r["host_speed"]["mean_by_window"] for r in runs if r["host_speed"]]
     out["host_speed_second_over_first"] = [round(d["second"] / d["first"], 3) for d in drift
                                            if "first" in d and "second" in d]
+    out["live_between_runs"] = {}
+    for fold, window in (("fit_on_second", "first"), ("fit_on_first", "second")):
+        judged = [r["folds"][fold]["validation"] for r in runs]
+        out["live_between_runs"][window] = {k: _scatter([v[k]["live"] for v in judged if v[k]["live"] is not None])
+                                            for k in METRICS}
     return {"num_runs": len(runs), **out}
 
 
