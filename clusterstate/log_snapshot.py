@@ -37,7 +37,7 @@ if old[3] and old[2] == ARGV[3] then redis.call('XTRIM', KEYS[2], 'MINID', old[3
 return 1
 """
 
-Holdings = Sequence[tuple[WorkerEntry, dict[BlockKey, BlockHold]]]
+Holdings = Sequence[tuple[WorkerEntry, dict[BlockKey, BlockHold]]]  # a ClusterState's ``export``
 
 
 def state_snapshot(state: ClusterState, keys: StoreKeys, position: str, seq: int, epoch: str) -> spb.StateSnapshot:
@@ -55,7 +55,7 @@ def state_snapshot(state: ClusterState, keys: StoreKeys, position: str, seq: int
 
 
 def snapshot_workers(snapshot: spb.StateSnapshot,
-                     worker_of: Callable[[spb.WorkerRecord], WorkerInfo]) -> list[tuple[WorkerEntry, dict]]:
+                     worker_of: Callable[[spb.WorkerRecord], WorkerInfo]) -> Holdings:
     """What ``ClusterState.replace`` takes, read from ``snapshot`` (``worker_of``: a sealed
     registration opened, ``EntryApplier.worker_of``)."""
     workers = []
