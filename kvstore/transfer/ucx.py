@@ -17,9 +17,10 @@ Coalesced frames are one tag message too (``UcxSendLink``). Operations given up 
 and logged once per link (``Orphans``); ``shutdown_ucx`` stops ucxx's notifier thread at exit.
 ``TransferConfig.encrypt`` is refused: UCX messages are not sealed here.
 
-``ucxx.init`` runs once per process with ``config.ucx_options`` (default: UCX's tcp transport
-on loopback, ``TLS=tcp NET_DEVICES=lo``; UCX's shared-memory transports stay unused because
-endpoints are opened with error handling; RDMA deployments pass their own, e.g.
+``ucxx.init`` runs once per process, in ucxx's thread progress mode (``_progress_mode``), with
+``config.ucx_options`` (default: UCX's tcp transport on loopback, ``TLS=tcp NET_DEVICES=lo``;
+UCX's shared-memory transports stay unused because endpoints are opened with error handling;
+RDMA deployments pass their own, e.g.
 ``TLS=rc,ud,self,cuda_copy,cuda_ipc`` with ``NET_DEVICES=mlx5_0:1``, and get zero-copy RDMA).
 All of it runs on the I/O loop, whose UCX progress ucxx drives from its own progress thread;
 completions reach the loop as Python futures set by ucxx's notifier thread
@@ -94,11 +95,24 @@ def ensure_ucx(config: TransferConfig) -> None:
         if _stopped:
             raise TransferError("ucx was shut down in this process (shutdown_ucx)")
         if _initialized_options is None:
-            ucxx.init(options=dict(config.ucx_options), enable_python_future=True)
+            ucxx.init(options=dict(config.ucx_options), progress_mode=_progress_mode(), enable_python_future=True)
             _initialized_options = config.ucx_options
             atexit.register(shutdown_ucx)
         elif _initialized_options != config.ucx_options:
             logger.warning("ucxx already initialised with %s; ignoring %s", _initialized_options, config.ucx_options)
+
+
+def _progress_mode() -> str:
+    """ucxx's progress mode: a progress thread, which this backend's completions need (Python
+    futures set by the notifier thread). ``UCXPY_PROGRESS_MODE=thread-polling`` (a busy-polling
+    thread: lower latency, one core spent) is honoured; ``blocking`` and ``polling`` would turn
+    those futures off and fail every transfer, so they are refused with a warning."""
+    asked = os.environ.get("UCXPY_PROGRESS_MODE", "thread")
+    if asked in ("thread", "thread-polling"):
+        return asked
+    logger.warning("UCXPY_PROGRESS_MODE=%s ignored: the ucx backend needs a progress thread ('thread' or "
+                   "'thread-polling'); using 'thread'", asked)
+    return "thread"
 
 
 async def _started(start: Callable[[], Coroutine[Any, Any, Any]]) -> Any:

@@ -2,7 +2,8 @@
 ``test_transfer.py`` and ``test_transfer_auth.py``): ucxx is installed by the test install and
 works here without a GPU (UCX over tcp on loopback); abandoned UCX operations are collected
 (every exception retrieved) and logged once per link, in one line, when it closes; a killed
-peer leaves no exception unretrieved; ``shutdown_ucx`` stops ucxx's notifier thread. A body
+peer leaves no exception unretrieved; ``shutdown_ucx`` stops ucxx's notifier thread, even when
+``UCXPY_PROGRESS_MODE`` asks for a mode without one (it is overridden). A body
 whose destination is one contiguous view is received straight into it and checksummed there
 (a fake endpoint stands for UCX); a scattered destination goes through a staging buffer; a
 receive into the destination that never completes aborts the endpoint before it fails.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -96,9 +98,14 @@ def test_shutdown_stops_the_notifier_thread_and_the_process_exits_cleanly():
         "shutdown_ucx()  # idempotent\n"
         "print('notifier threads after shutdown:', names())\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    # A progress mode that would turn ucxx's Python futures off (and with them the notifier
+    # thread) is overridden, not obeyed: the backend's completions need them.
+    env = {**os.environ, "UCXPY_PROGRESS_MODE": "blocking"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+                          env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "notifier threads after shutdown: []" in done.stdout, done.stdout
+    assert "UCXPY_PROGRESS_MODE=blocking ignored" in done.stderr, done.stderr[-2000:]
 
 
 BODY = np.random.default_rng(5).integers(0, 256, size=3000, dtype=np.uint8)
