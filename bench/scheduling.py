@@ -10,7 +10,9 @@ other policies as baselines in the same run. Prints one JSON object; progress go
    dispatch, queue and prefill), and the error with the Conductor's own TTFT observed. Each
    part's share: the error with the prefill's prediction replaced by the worker's own time
    (``if_prefill_exact``: what the queue and dispatch predictions leave), and with the queue's
-   and the dispatch's replaced by what they took (``if_queue_and_dispatch_exact``).
+   and the dispatch's replaced by what they took (``if_queue_and_dispatch_exact``); and how
+   the workers' prefill times stray from their predictions, request to request, and whether
+   the previous request's stray foretells the next one's (``prefill_noise``).
 2. Policies side by side: the same scaled window of the Mooncake synthetic trace replayed
    live (``replay.live``) against a fresh cluster per policy, at each rate scale given:
    goodput (requests/s meeting both SLOs), TTFT p50/p90, TBT p90, rejection rate,
@@ -26,7 +28,9 @@ Usage: python -m bench.scheduling [--quick] [--only prediction|policies] [--rate
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -95,6 +99,8 @@ def prediction_accuracy(calibration: Path, num_requests: int) -> dict:
         by.setdefault(f"prompt_tokens={n}", []).append((o, n))
         by.setdefault("queue_predicted" if o.timing.predicted_queue_s > 0 else "no_queue_predicted", []).append((o, n))
     out = error_summary(kept)
+    out["prefill_noise"] = prefill_noise([(o.prefill_worker, o.timing.prefill_worker_s, o.timing.predicted_prefill_s)
+                                          for o, _ in kept])
     out.update({"goal_median": 0.10, "goal_p90": 0.25, "by_category": {k: error_summary(v, parts=True)
                                                                        for k, v in sorted(by.items())}})
     return out
@@ -103,6 +109,35 @@ def prediction_accuracy(calibration: Path, num_requests: int) -> dict:
 def _q(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[int(q * (len(xs) - 1))]
+
+
+def prefill_noise(prefills: list[tuple[str, float, float]]) -> dict | None:
+    """How far the workers' prefill times stray from their predictions, and whether the stray
+    is foreseeable, from (worker, prefill seconds, predicted seconds) in the order the requests
+    were sent: the standard deviation of log(prefill / predicted), and the lag-1
+    autocorrelation of that log ratio along each worker's own requests (pooled over workers;
+    its square is the share of a stray's variance the previous one foretells). Near 0, one
+    request's deviation says nothing of the next one's on that worker, so no pace
+    estimate made from recent prefills can follow it, and a prefill prediction without bias
+    still misses by about 0.674 x the deviation in the median (``unforeseeable_median_error``,
+    relative to the prefill, so less relative to a TTFT that also waited; the median of the
+    absolute value of a normal variable). None with under 3 measured prefills."""
+    by_worker: dict[str, list[float]] = {}
+    for worker, actual_s, predicted_s in prefills:
+        if actual_s > 0 and predicted_s > 0:
+            by_worker.setdefault(worker, []).append(math.log(actual_s / predicted_s))
+    logs = [x for xs in by_worker.values() for x in xs]
+    if len(logs) < 3:
+        return None
+    mean = statistics.fmean(logs)
+    variance = statistics.fmean([(x - mean) ** 2 for x in logs])
+    pairs = [(a, b) for xs in by_worker.values() for a, b in itertools.pairwise(xs)]
+    lag1 = (statistics.fmean([(a - mean) * (b - mean) for a, b in pairs]) / variance
+            if pairs and variance > 0 else None)
+    sd = math.sqrt(variance)
+    return {"num_prefills": len(logs), "log_ratio_mean": round(mean, 4), "log_ratio_sd": round(sd, 4),
+            "lag1_autocorrelation": round(lag1, 3) if lag1 is not None else None,
+            "unforeseeable_median_error": round(0.6745 * sd, 4)}
 
 
 def error_summary(kept: list, parts: bool = False) -> dict:
