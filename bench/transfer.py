@@ -9,8 +9,12 @@ pass over the destination in the same thread (the bound when both ends share one
 ``*_crc32c`` ones do the same with CRC32C, the checksum before ISA-L's CRC-32. Mooncake's
 TransferEngine over TCP is a peer baseline when ``mooncake-transfer-engine-non-cuda`` is
 installed (set ``MC_TCP_BIND_ADDRESS=127.0.0.1``), and ``socket_ceiling`` (a bare loopback TCP
-stream between two processes, no framing or checksum) bounds every TCP transfer here. The
-in-process baselines and the socket ceiling live in ``bench.transfer_baselines``.
+stream between two processes, no framing or checksum) bounds every TCP transfer here, as
+``ucx_ceiling`` (bare UCX tag messages between two processes with the ucx backend's UCX
+options, every receive posted ahead, no framing or checksum; measured with the ucx backend)
+bounds the ucx one; ``ucx_one_at_a_time`` is the same with each receive posted once the one
+before has landed and been checksummed, the pattern of the backend's receiver. The in-process
+baselines and both ceilings live in ``bench.transfer_baselines``.
 
 The whole set runs ``--rounds`` times (the backends' order rotating), and every goal row is
 the median over rounds of that round's ratio (both sides measured minutes apart at most), with
@@ -56,7 +60,13 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.transfer_baselines import memcpy_baselines, socket_receiver, socket_sender_gbps
+from bench.transfer_baselines import (
+    ONE_AT_A_TIME,
+    memcpy_baselines,
+    socket_receiver,
+    socket_sender_gbps,
+    ucx_ceiling_child,
+)
 
 SIZES_BYTES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
 MOONCAKE_SIZES = ("1MiB", "16MiB")
@@ -219,7 +229,8 @@ class Child:
             raise RuntimeError(f"child exited {self.proc.returncode}: {' | '.join(tail)}")
         return json.loads(line)
 
-    def finish(self) -> None:
+    def finish(self) -> int:
+        """Ends the child (its stdin closed; killed after ``CHILD_TIMEOUT_S``); its exit code."""
         if self.proc.poll() is None:
             self.proc.stdin.close()
             try:
@@ -228,6 +239,7 @@ class Child:
                 self.proc.kill()
                 self.proc.wait()
         self.stderr.close()
+        return self.proc.returncode
 
 
 def send_request(tx, rid: str, rows: np.ndarray, chunk_bytes: int) -> float:
@@ -331,7 +343,7 @@ def goals(report: dict) -> dict:
     """The issue's rows, medians side by side from this run (ratio spreads from the extremes)."""
     backends, memcpy = report["backends"], report["memcpy_numpy_copyto"]
     shm, tcp, ucx = backends.get("shm", {}), backends.get("tcp", {}), backends.get("ucx", {})
-    ceiling = report["socket_ceiling"]
+    ceiling, ucx_ceiling, ucx_one = report["socket_ceiling"], report["ucx_ceiling"], report["ucx_one_at_a_time"]
     rows = {
         "ucx_64KiB_vs_tcp_64KiB": _ratio(ucx.get("64KiB", {}), tcp.get("64KiB", {}), 0.9),
         "ucx_16MiB_vs_tcp_16MiB": _ratio(ucx.get("16MiB", {}), tcp.get("16MiB", {}), 0.9),
@@ -349,6 +361,14 @@ def goals(report: dict) -> dict:
         "shm_16MiB_vs_one_copy_sender": _ratio(shm.get("16MiB", {}), report["one_copy_sender"]["16MiB"], None),
         "shm_16MiB_vs_one_copy_serial": _ratio(shm.get("16MiB", {}), report["one_copy_serial"]["16MiB"], None),
         "tcp_16MiB_vs_mooncake_tcp": _ratio(tcp.get("16MiB", {}), report["mooncake"].get("16MiB", {}), None),
+        # What UCX itself moves here: how much of the ucx rows' gap to tcp is UCX's (its ceiling
+        # over the socket's), how much is the receives posted one at a time (as the backend's
+        # receiver posts them) and how much the rest of the backend.
+        "ucx_16MiB_vs_ucx_ceiling": _ratio(ucx.get("16MiB", {}), ucx_ceiling.get("16MiB", {}), None),
+        "ucx_16MiB_vs_ucx_one_at_a_time": _ratio(ucx.get("16MiB", {}), ucx_one.get("16MiB", {}), None),
+        "ucx_one_at_a_time_16MiB_vs_ucx_ceiling": _ratio(ucx_one.get("16MiB", {}), ucx_ceiling.get("16MiB", {}),
+                                                         None),
+        "ucx_ceiling_16MiB_vs_socket_ceiling": _ratio(ucx_ceiling.get("16MiB", {}), ceiling.get("16MiB", {}), None),
     }
     for name in backends:
         scheme, flags = variant(name)
@@ -361,9 +381,42 @@ def goals(report: dict) -> dict:
     return rows
 
 
+def bench_ucx_ceiling(repeats: int, total_bytes: int) -> tuple[dict, dict]:
+    """The UCX ceiling (``transfer_baselines.ucx_ceiling_child``) for the sizes Mooncake is
+    measured at, with every receive posted ahead and one at a time: a receiver child and a
+    sender child, their worker addresses passed between them."""
+    from kvstore.transfer import ucx_unavailable_reason
+
+    reason = ucx_unavailable_reason()
+    if reason is not None:
+        return {"skipped": reason}, {"skipped": reason}
+    spec = {"total_bytes": total_bytes, "repeats": repeats,
+            "sizes": {name: SIZES_BYTES[name] for name in MOONCAKE_SIZES}}
+    receiver = Child("--child-ucx-ceiling", "recv", json.dumps(spec))
+    sender, exits = None, []
+    try:
+        address = receiver.report()["address"]
+        sender = Child("--child-ucx-ceiling", "send", json.dumps({**spec, "address": address}))
+        receiver.proc.stdin.write(sender.report()["address"] + "\n")
+        receiver.proc.stdin.flush()
+        samples = sender.report()
+    except RuntimeError as exc:
+        failed = {"skipped": f"the ucx ceiling failed: {exc}"}
+        return failed, failed
+    finally:
+        exits = [child.finish() for child in (sender, receiver) if child is not None]
+    ahead = {"what": "UCX tag messages over one endpoint pair, every receive posted ahead, no framing or checksum",
+             "exit_codes": exits}  # sender, receiver: 0 when both shut ucxx down and ended
+    one = {"what": "the same, each receive posted once the one before landed and was checksummed"}
+    for key, gbps in samples.items():
+        name, _, pattern = key.partition("/")
+        (one if pattern == ONE_AT_A_TIME else ahead)[name] = summarize(gbps)
+    return ahead, one
+
+
 def one_round(args: argparse.Namespace, backends: list[str]) -> dict:
-    """Every backend, the socket ceiling and the in-process baselines once (the baselines
-    before and after the backends, so drifting load hits both sides)."""
+    """Every backend, the ceilings and the in-process baselines once (the baselines before
+    and after the backends, so drifting load hits both sides)."""
     total_bytes = args.mib_per_repeat << 20
     before = memcpy_baselines(SIZES_BYTES, total_bytes, (args.repeats + 1) // 2)
     report: dict = {"backends": {}, "loadavg_1m": round(os.getloadavg()[0], 2)}
@@ -374,6 +427,10 @@ def one_round(args: argparse.Namespace, backends: list[str]) -> dict:
                                                            warmups=(16 << 20,) * RESIDENT_WARMUPS)
     report["mooncake"] = bench_mooncake(args.repeats, total_bytes)
     report["socket_ceiling"] = bench_socket(args.repeats, total_bytes)
+    if "ucx" in backends:
+        report["ucx_ceiling"], report["ucx_one_at_a_time"] = bench_ucx_ceiling(args.repeats, total_bytes)
+    else:
+        report["ucx_ceiling"] = report["ucx_one_at_a_time"] = {"skipped": "the ucx backend is not measured"}
     after = memcpy_baselines(SIZES_BYTES, total_bytes, (args.repeats + 1) // 2)
     for baseline, by_size in before.items():
         report[baseline] = {name: summarize(gbps + after[baseline][name]) for name, gbps in by_size.items()}
@@ -435,7 +492,8 @@ def medians_over_rounds(rounds: list[dict]) -> dict:
                     values = [r[section][name][size]["median_gbps"] for r in rounds]
                     out.setdefault(name, {})[size] = round(statistics.median(values), 3)
     for name in ("memcpy_numpy_copyto", "memcpy_streaming", "one_copy_sender", "one_copy_serial",
-                 "one_copy_sender_crc32c", "one_copy_serial_crc32c", "socket_ceiling", "mooncake"):
+                 "one_copy_sender_crc32c", "one_copy_serial_crc32c", "socket_ceiling", "ucx_ceiling",
+                 "ucx_one_at_a_time", "mooncake"):
         for size, row in rounds[0][name].items():
             if isinstance(row, dict) and "median_gbps" in row:
                 values = [r[name][size]["median_gbps"] for r in rounds]
@@ -458,6 +516,7 @@ def main() -> None:
     parser.add_argument("--child-receive", nargs=3, metavar=("BACKEND", "BYTES", "PLAN"), help=argparse.SUPPRESS)
     parser.add_argument("--child-mooncake", nargs=2, metavar=("ROLE", "ARG"), help=argparse.SUPPRESS)
     parser.add_argument("--child-socket", nargs=2, metavar=("BYTES", "SAMPLES"), help=argparse.SUPPRESS)
+    parser.add_argument("--child-ucx-ceiling", nargs=2, metavar=("ROLE", "SPEC"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_receive:
         child_receive(args.child_receive[0], int(args.child_receive[1]), json.loads(args.child_receive[2]))
@@ -465,6 +524,8 @@ def main() -> None:
         child_mooncake(*args.child_mooncake)
     elif args.child_socket:
         socket_receiver(int(args.child_socket[0]), int(args.child_socket[1]))
+    elif args.child_ucx_ceiling:
+        ucx_ceiling_child(args.child_ucx_ceiling[0], json.loads(args.child_ucx_ceiling[1]))
     else:
         started = time.perf_counter()
         report = run(args)

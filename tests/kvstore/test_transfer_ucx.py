@@ -6,7 +6,8 @@ peer leaves no exception unretrieved; ``shutdown_ucx`` stops ucxx's notifier thr
 ``UCXPY_PROGRESS_MODE`` asks for a mode without one (it is overridden). A body
 whose destination is one contiguous view is received straight into it and checksummed there
 (a fake endpoint stands for UCX); a scattered destination goes through a staging buffer; a
-receive into the destination that never completes aborts the endpoint before it fails.
+receive into the destination that never completes aborts the endpoint before it fails. The
+transfer bench's UCX ceiling runs its two processes to their end.
 """
 
 from __future__ import annotations
@@ -192,3 +193,16 @@ def test_a_receive_into_the_destination_that_never_completes_aborts_the_endpoint
     with pytest.raises(ConnectionError, match="did not complete"):
         read(endpoint, [np.zeros(BODY.nbytes, np.uint8)], deadline_s=0.05)
     assert endpoint.closed, "UCX could still write into the destination after the failure"
+
+
+def test_the_bench_ucx_ceiling_measures_both_receive_patterns_and_its_children_end(monkeypatch):
+    """``bench.transfer``'s UCX ceiling: two real processes with the backend's UCX, every size
+    measured with receives posted ahead and one at a time, and both children ending by
+    themselves (a child left inside ucxx at exit would be killed: exit code not 0)."""
+    from bench import transfer
+
+    monkeypatch.setattr(transfer, "CHILD_TIMEOUT_S", 30.0)  # a bound on a hang, not a speed
+    ahead, one = transfer.bench_ucx_ceiling(repeats=1, total_bytes=2 << 20)
+    assert ahead["exit_codes"] == [0, 0], ahead
+    for name in transfer.MOONCAKE_SIZES:
+        assert ahead[name]["median_gbps"] > 0 and one[name]["median_gbps"] > 0, (ahead, one)
