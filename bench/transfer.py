@@ -14,7 +14,8 @@ stream between two processes, no framing or checksum) bounds every TCP transfer 
 options, every receive posted ahead, no framing or checksum; measured with the ucx backend)
 bounds the ucx one; ``ucx_one_at_a_time`` is the same with each receive posted once the one
 before has landed and been checksummed, the pattern of the backend's receiver. The in-process
-baselines and both ceilings live in ``bench.transfer_baselines``.
+baselines live in ``bench.transfer_baselines``; the ceilings and Mooncake, measured between
+child processes, in ``bench.transfer_peers``.
 
 The whole set runs ``--rounds`` times (the backends' order rotating), and every goal row is
 the median over rounds of that round's ratio (both sides measured minutes apart at most), with
@@ -48,30 +49,28 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
-from bench.transfer_baselines import (
-    ONE_AT_A_TIME,
-    memcpy_baselines,
+from bench.transfer_baselines import memcpy_baselines
+from bench.transfer_peers import (
+    CHILD_TIMEOUT_S,
+    SIZES_BYTES,
+    Child,
+    bench_mooncake,
+    bench_socket,
+    bench_ucx_ceiling,
+    child_mooncake,
     socket_receiver,
-    socket_sender_gbps,
+    summarize,
     ucx_ceiling_child,
 )
 
-SIZES_BYTES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
-MOONCAKE_SIZES = ("1MiB", "16MiB")
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CHILD_TIMEOUT_S = 120.0
 ROW_FLOATS = 256  # 1 KiB rows of float32
 # Passes over the 16 MiB pool before the resident row's samples: on these machines the first
 # writes of a process into a freshly mapped pool run several times slower than steady state
@@ -79,17 +78,6 @@ ROW_FLOATS = 256  # 1 KiB rows of float32
 # a serving connection, like the memcpy baseline, is long past that.
 RESIDENT_WARMUPS = 12
 PAGE_ROWS = 64  # 64 KiB pages
-
-
-def summarize(gbps: list[float]) -> dict:
-    median = statistics.median(gbps)
-    return {
-        "median_gbps": round(median, 3),
-        "min_gbps": round(min(gbps), 3),
-        "max_gbps": round(max(gbps), 3),
-        "spread_pct": round(100 * (max(gbps) - min(gbps)) / median, 1),
-        "repeats": len(gbps),
-    }
 
 
 def variant(backend: str) -> tuple[str, frozenset[str]]:
@@ -158,88 +146,7 @@ def child_receive(backend: str, total_bytes: int, requests: list[tuple[str, int]
     receiver.close()
 
 
-def child_mooncake(role: str, arg: str) -> None:
-    """Mooncake TransferEngine over TCP with a P2P handshake (no metadata server needed)."""
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    from mooncake.engine import TransferEngine
-
-    engine = TransferEngine()
-    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-        raise RuntimeError("TransferEngine.initialize failed")
-    if role == "recv":
-        region = np.zeros(int(arg), dtype=np.uint8)
-        if engine.register_memory(region.ctypes.data, region.nbytes) != 0:
-            raise RuntimeError("register_memory failed")
-        print(json.dumps({"port": engine.get_rpc_port(), "ptr": region.ctypes.data}), flush=True)
-        sys.stdin.readline()
-        return
-    spec = json.loads(arg)
-    source = np.ones(spec["total_bytes"], dtype=np.uint8)
-    if engine.register_memory(source.ctypes.data, source.nbytes) != 0:
-        raise RuntimeError("register_memory failed")
-    target = f"127.0.0.1:{spec['port']}"
-    results = {}
-    for name in ["1MiB", *MOONCAKE_SIZES]:  # the first 1 MiB pass warms the connection up
-        size = SIZES_BYTES[name]
-        offsets = list(range(0, spec["total_bytes"], size))
-        samples = []
-        for _ in range(spec["repeats"]):
-            start = time.perf_counter()
-            status = engine.batch_transfer_sync_write(
-                target,
-                [source.ctypes.data + o for o in offsets],
-                [spec["ptr"] + o for o in offsets],
-                [size] * len(offsets),
-            )
-            elapsed = time.perf_counter() - start
-            if status != 0:
-                raise RuntimeError(f"batch_transfer_sync_write returned {status}")
-            samples.append(spec["total_bytes"] / elapsed / 1e9)
-        results[name] = summarize(samples)
-    print(json.dumps(results), flush=True)
-
-
 # ---- parent -------------------------------------------------------------------------------------
-
-
-class Child:
-    """A child of this script; the first stdout line is its JSON report. Killed on exit."""
-
-    def __init__(self, *args: str):
-        self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - lives as long as the child
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.transfer", *args],
-            cwd=REPO_ROOT,
-            text=True,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.stderr,
-            env={
-                **os.environ,
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-            },
-        )
-
-    def report(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(timeout=CHILD_TIMEOUT_S)
-            self.stderr.seek(0)
-            tail = self.stderr.read().strip().splitlines()[-3:]
-            raise RuntimeError(f"child exited {self.proc.returncode}: {' | '.join(tail)}")
-        return json.loads(line)
-
-    def finish(self) -> int:
-        """Ends the child (its stdin closed; killed after ``CHILD_TIMEOUT_S``); its exit code."""
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=CHILD_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.stderr.close()
-        return self.proc.returncode
 
 
 def send_request(tx, rid: str, rows: np.ndarray, chunk_bytes: int) -> float:
@@ -290,36 +197,6 @@ def bench_backend(backend: str, repeats: int, total_bytes: int, sizes: dict[str,
         for name, gbps in samples.items()
     }
     return {**results, "frames": receiver["frames"], "frames_direct": receiver["frames_direct"]}
-
-
-def bench_mooncake(repeats: int, total_bytes: int) -> dict:
-    if importlib.util.find_spec("mooncake") is None:
-        return {"skipped": "mooncake-transfer-engine-non-cuda is not installed"}
-    receiver = Child("--child-mooncake", "recv", str(total_bytes))
-    try:
-        target = receiver.report()
-        spec = {**target, "total_bytes": total_bytes, "repeats": repeats}
-        sender = Child("--child-mooncake", "send", json.dumps(spec))
-        try:
-            return {"protocol": "tcp", "handshake": "P2PHANDSHAKE", **sender.report()}
-        finally:
-            sender.finish()
-    except RuntimeError as exc:
-        return {"skipped": f"mooncake failed: {exc}"}
-    finally:
-        receiver.finish()
-
-
-def bench_socket(repeats: int, total_bytes: int) -> dict:
-    """The socket ceiling (``transfer_baselines``) for the sizes Mooncake is measured at."""
-    sizes = {name: SIZES_BYTES[name] for name in MOONCAKE_SIZES}
-    receiver = Child("--child-socket", str(total_bytes), str(len(sizes) * repeats + 1))
-    try:
-        samples = socket_sender_gbps(int(receiver.report()), sizes, total_bytes, repeats)
-    finally:
-        receiver.finish()
-    return {"what": "sendall / recv_into over one loopback TCP connection, no framing or checksum",
-            **{name: summarize(gbps) for name, gbps in samples.items()}}
 
 
 def with_ratios(results: dict, memcpy: dict) -> dict:
@@ -379,39 +256,6 @@ def goals(report: dict) -> dict:
                 )
     rows["shm-crc32c_16MiB_vs_memcpy"] = _ratio(backends.get("shm-crc32c", {}).get("16MiB", {}), memcpy["16MiB"], None)
     return rows
-
-
-def bench_ucx_ceiling(repeats: int, total_bytes: int) -> tuple[dict, dict]:
-    """The UCX ceiling (``transfer_baselines.ucx_ceiling_child``) for the sizes Mooncake is
-    measured at, with every receive posted ahead and one at a time: a receiver child and a
-    sender child, their worker addresses passed between them."""
-    from kvstore.transfer import ucx_unavailable_reason
-
-    reason = ucx_unavailable_reason()
-    if reason is not None:
-        return {"skipped": reason}, {"skipped": reason}
-    spec = {"total_bytes": total_bytes, "repeats": repeats,
-            "sizes": {name: SIZES_BYTES[name] for name in MOONCAKE_SIZES}}
-    receiver = Child("--child-ucx-ceiling", "recv", json.dumps(spec))
-    sender, exits = None, []
-    try:
-        address = receiver.report()["address"]
-        sender = Child("--child-ucx-ceiling", "send", json.dumps({**spec, "address": address}))
-        receiver.proc.stdin.write(sender.report()["address"] + "\n")
-        receiver.proc.stdin.flush()
-        samples = sender.report()
-    except RuntimeError as exc:
-        failed = {"skipped": f"the ucx ceiling failed: {exc}"}
-        return failed, failed
-    finally:
-        exits = [child.finish() for child in (sender, receiver) if child is not None]
-    ahead = {"what": "UCX tag messages over one endpoint pair, every receive posted ahead, no framing or checksum",
-             "exit_codes": exits}  # sender, receiver: 0 when both shut ucxx down and ended
-    one = {"what": "the same, each receive posted once the one before landed and was checksummed"}
-    for key, gbps in samples.items():
-        name, _, pattern = key.partition("/")
-        (one if pattern == ONE_AT_A_TIME else ahead)[name] = summarize(gbps)
-    return ahead, one
 
 
 def one_round(args: argparse.Namespace, backends: list[str]) -> dict:

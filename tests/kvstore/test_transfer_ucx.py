@@ -199,10 +199,10 @@ def test_the_bench_ucx_ceiling_measures_both_receive_patterns_and_its_children_e
     """``bench.transfer``'s UCX ceiling: two real processes with the backend's UCX, every size
     measured with receives posted ahead and one at a time, and both children ending by
     themselves (a child left inside ucxx at exit would be killed: exit code not 0)."""
-    from bench import transfer
+    from bench import transfer_peers
 
-    monkeypatch.setattr(transfer, "CHILD_TIMEOUT_S", 30.0)  # a bound on a hang, not a speed
-    ahead, one = transfer.bench_ucx_ceiling(repeats=1, total_bytes=2 << 20)
+    monkeypatch.setattr(transfer_peers, "CHILD_TIMEOUT_S", 30.0)  # a bound on a hang, not a speed
+    ahead, one = transfer_peers.bench_ucx_ceiling(repeats=1, total_bytes=2 << 20)
     assert ahead["exit_codes"] == [0, 0], ahead
-    for name in transfer.MOONCAKE_SIZES:
+    for name in transfer_peers.MOONCAKE_SIZES:
         assert ahead[name]["median_gbps"] > 0 and one[name]["median_gbps"] > 0, (ahead, one)
