@@ -272,7 +272,8 @@ def one_round(args: argparse.Namespace, backends: list[str]) -> dict:
     report["mooncake"] = bench_mooncake(args.repeats, total_bytes)
     report["socket_ceiling"] = bench_socket(args.repeats, total_bytes)
     if "ucx" in backends:
-        report["ucx_ceiling"], report["ucx_one_at_a_time"] = bench_ucx_ceiling(args.repeats, total_bytes)
+        report["ucx_ceiling"], report["ucx_one_at_a_time"] = bench_ucx_ceiling(
+            args.repeats, total_bytes, bench_config("ucx").max_inflight_bytes)
     else:
         report["ucx_ceiling"] = report["ucx_one_at_a_time"] = {"skipped": "the ucx backend is not measured"}
     after = memcpy_baselines(SIZES_BYTES, total_bytes, (args.repeats + 1) // 2)

@@ -156,9 +156,10 @@ def ucx_ceiling_child(role: str, spec: dict) -> None:
     processes over one endpoint pair, with the ucx backend's UCX (``ensure_ucx`` with the
     default ``TransferConfig``: its options, progress thread and futures), and no control
     connection, header or admission. Every sample moves ``spec["total_bytes"]``; the sender
-    keeps as many sends in flight as the backend's credit allows (``max_inflight_bytes``) and
-    times each sample until the receiver's one-tag answer that all of it landed. The receiver
-    takes a sample one of two ways, alternating:
+    keeps as many sends in flight as the measured backend's credit allows
+    (``spec["inflight_bytes"]``, its ``max_inflight_bytes``) and times each sample until the
+    receiver's one-tag answer that all of it landed. The receiver takes a sample one of two
+    ways, alternating:
 
     - posted ahead: all of the sample's receives at once (every frame admitted ahead, no
       checksum): the most UCX moves here;
@@ -213,7 +214,7 @@ def ucx_ceiling_child(role: str, spec: dict) -> None:
         source, ack, tag = np.ones(total, dtype=np.uint8), np.empty(1, dtype=np.uint8), 0
         out: dict[str, list[float]] = {}
         for i, (key, size) in enumerate(plan):
-            in_flight = max(1, config.max_inflight_bytes // size)
+            in_flight = max(1, spec["inflight_bytes"] // size)
             start = time.perf_counter()
             sends: set[asyncio.Future] = set()
             for offset in range(0, total, size):
@@ -235,16 +236,17 @@ def ucx_ceiling_child(role: str, spec: dict) -> None:
         print(json.dumps(asyncio.run(send())), flush=True)
 
 
-def bench_ucx_ceiling(repeats: int, total_bytes: int) -> tuple[dict, dict]:
+def bench_ucx_ceiling(repeats: int, total_bytes: int, inflight_bytes: int) -> tuple[dict, dict]:
     """The UCX ceiling (``ucx_ceiling_child``) for the sizes Mooncake is measured at, with
-    every receive posted ahead and one at a time: a receiver child and a sender child, their
-    worker addresses passed between them."""
+    every receive posted ahead and one at a time, the sender's in-flight bound the measured
+    backend's (``inflight_bytes``): a receiver child and a sender child, their worker addresses
+    passed between them."""
     from kvstore.transfer import ucx_unavailable_reason
 
     reason = ucx_unavailable_reason()
     if reason is not None:
         return {"skipped": reason}, {"skipped": reason}
-    spec = {"total_bytes": total_bytes, "repeats": repeats,
+    spec = {"total_bytes": total_bytes, "repeats": repeats, "inflight_bytes": inflight_bytes,
             "sizes": {name: SIZES_BYTES[name] for name in MOONCAKE_SIZES}}
     receiver = Child("--child-ucx-ceiling", "recv", json.dumps(spec))
     sender, exits = None, []

@@ -202,7 +202,7 @@ def test_the_bench_ucx_ceiling_measures_both_receive_patterns_and_its_children_e
     from bench import transfer_peers
 
     monkeypatch.setattr(transfer_peers, "CHILD_TIMEOUT_S", 30.0)  # a bound on a hang, not a speed
-    ahead, one = transfer_peers.bench_ucx_ceiling(repeats=1, total_bytes=2 << 20)
+    ahead, one = transfer_peers.bench_ucx_ceiling(repeats=1, total_bytes=2 << 20, inflight_bytes=4 << 20)
     assert ahead["exit_codes"] == [0, 0], ahead
     for name in transfer_peers.MOONCAKE_SIZES:
         assert ahead[name]["median_gbps"] > 0 and one[name]["median_gbps"] > 0, (ahead, one)
