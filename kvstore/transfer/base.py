@@ -291,6 +291,10 @@ class RecvLink(Protocol):
     closed_by_peer: bool
 
     async def next_frame(self) -> Frame | LinkClosed: ...
+    def lands_apart(self, frame: Frame) -> bool:
+        """The frame's body travels apart from the frame stream (ucx), so the next frame can be
+        read while it lands (``landing``)."""
+
     async def read_body(self, frame: Frame) -> memoryview:
         """The inline body of a control frame (ABORT's reason)."""
 

@@ -10,6 +10,12 @@ Token coverage of an MLA layer is a sorted list of merged half-open intervals::
     received   [0, 64) [64, 128)           [192, 256)
     covered    [(0, 128), (192, 256)]      -> layer incomplete: [128, 192) missing
 
+A chunk claims its place when it is admitted (``claim``), before its body lands, and the fit
+rules read the claims: a receiver that admits the next frame while a body is still landing
+(ucx, ``receiver``) cannot let two overlapping chunks in. What has landed and been verified
+is counted apart (``mla_covered``, ``kda_parts``, ``blobs``); a claimed chunk that never
+lands fails its request, so a claim is never given back.
+
 Direct placement (shm): once the receiver hands a connection the request's placement, that
 peer may write into the destination until it is *fenced* (its END, ABORT or REVOKED arrived, or
 it is gone); until then a failed request's memory must not be reused (``fenced`` is False).
@@ -40,6 +46,10 @@ class TransferProgress:
     kda_parts: dict[int, set[Kind]] = field(default_factory=dict)
     blobs: set[int] = field(default_factory=set)
     done_layers: set[int] = field(default_factory=set)
+    # Admitted chunks, landed or not (``claim``); the fit rules check these.
+    claimed_rows: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    claimed_parts: dict[int, set[Kind]] = field(default_factory=dict)
+    claimed_blobs: set[int] = field(default_factory=set)
     sender_units: int | None = None
     error: str | None = None
     complete: bool = False
@@ -77,7 +87,7 @@ def _mla_problem(expected: Expected, progress: TransferProgress, header: FrameHe
             f"chunk is {header.dtype.name.lower()} {header.shape}, destination expects "
             f"{expected.mla_dtype.name.lower()} {want_shape}"
         )
-    overlapping = [(a, b) for a, b in progress.mla_covered.get(layer, ()) if a < t1 and t0 < b]
+    overlapping = [(a, b) for a, b in progress.claimed_rows.get(layer, ()) if a < t1 and t0 < b]
     if overlapping:
         return f"tokens [{t0}, {t1}) of layer {layer} overlap tokens already received {overlapping}"
     return None
@@ -92,7 +102,7 @@ def _kda_problem(expected: Expected, progress: TransferProgress, header: FrameHe
             f"{header.kind.name} is {header.dtype.name.lower()} {header.shape}, destination expects "
             f"{expected.kda_dtype.name.lower()} {tuple(want_shape)}"
         )
-    if header.kind in progress.kda_parts.get(header.layer, ()):
+    if header.kind in progress.claimed_parts.get(header.layer, ()):
         return f"duplicate {header.kind.name} for layer {header.layer}"
     return None
 
@@ -103,9 +113,20 @@ def _blob_problem(expected: Expected, progress: TransferProgress, header: FrameH
     if header.dtype != DType.UINT8 or header.body_bytes > expected.max_blob_bytes:
         kind = header.dtype.name.lower()
         return f"blob is {kind} of {header.body_bytes} bytes; limit {expected.max_blob_bytes} uint8"
-    if header.layer in progress.blobs:
+    if header.layer in progress.claimed_blobs:
         return f"duplicate blob {header.layer}"
     return None
+
+
+def claim(progress: TransferProgress, header: FrameHeader) -> None:
+    """Mark the place of an admitted chunk (one ``chunk_problem`` found none for) as taken."""
+    if header.kind == Kind.MLA_ROWS:
+        rows = progress.claimed_rows.get(header.layer, [])
+        progress.claimed_rows[header.layer] = merge_interval(rows, (header.token_start, header.token_end))
+    elif header.kind in KDA_PARTS:
+        progress.claimed_parts.setdefault(header.layer, set()).add(header.kind)
+    else:
+        progress.claimed_blobs.add(header.layer)
 
 
 def merge_interval(intervals: list[tuple[int, int]], new: tuple[int, int]) -> list[tuple[int, int]]:

@@ -3,7 +3,10 @@ writes it into the destination of the request it belongs to, or, for a chunk a s
 sender wrote straight into the destination (``base.DirectSink``), verifies it there.
 
 Threads: all connection handling, checksum verification and ``sink.write`` calls run on the
-I/O thread (``ioloop.IoThread``), one connection's frames strictly in order. A data frame's
+I/O thread (``ioloop.IoThread``), one connection's frames in order. On a link whose bodies
+travel apart from the frame stream (ucx), a data frame's body is received while the next
+headers are read and admitted (``landing``): bodies land concurrently, ACKs still go out in
+order, and any other frame waits until every earlier one is handled. A data frame's
 header is admitted before its body is read: a sink with ``views`` (``base.ViewSink``) then has
 the body received straight into its destination (tcp: no staging copy, the checksum computed
 as the body lands and compared once it is in; ucx: when the destination is one contiguous
@@ -42,7 +45,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
@@ -59,6 +62,7 @@ from kvstore.transfer.base import (
 from kvstore.transfer.direct import checksum_of
 from kvstore.transfer.frames import FLAG_DIRECT, FrameError, FrameHeader, Kind, control_header
 from kvstore.transfer.ioloop import IoThread
+from kvstore.transfer.landing import Landing
 from kvstore.transfer.metrics import ProcessLink, process_link
 from kvstore.transfer.registry import get_backend
 from kvstore.transfer.stream import RequestTable
@@ -199,18 +203,26 @@ class Receiver:
             link.close()
 
     async def _serve_frames(self, link: RecvLink, conn_id: int, told: set[str]) -> None:
+        landing = Landing(link)  # data frames whose bodies land apart from the stream (ucx)
         while True:
             item = await link.next_frame()
-            if isinstance(item, LinkClosed):
-                self._on_closed(conn_id, item.reason, item.partial, by_peer=link.closed_by_peer)
-                return
+            closed = isinstance(item, LinkClosed)
+            if not closed and link.lands_apart(item):
+                landing.add(item.header, functools.partial(self._on_data_apart, link, conn_id, item, told))
+                continue
             try:
+                await landing.settle()  # every earlier frame is handled before this one
+                if closed:
+                    self._on_closed(conn_id, item.reason, item.partial, by_peer=link.closed_by_peer)
+                    return
                 await self._on_frame(link, conn_id, item, told)
             except (ConnectionError, FrameError, TransferError) as exc:
-                self._on_closed(conn_id, str(exc), item.header, by_peer=False)
+                failed = landing.failed_header or (None if closed else item.header)
+                self._on_closed(conn_id, str(exc), failed, by_peer=False)
                 return
             finally:
-                link.release(item)
+                if not closed:
+                    link.release(item)
 
     def _on_closed(self, conn_id: int, reason: str, partial: FrameHeader | None, by_peer: bool) -> None:
         """Fail the connection's requests; their placements are fenced only if the peer ended the
@@ -257,7 +269,21 @@ class Receiver:
             payload = local.placement.pack()
         link.reply(control_header(Kind.PLACE, request_id, payload=payload), payload)
 
-    async def _on_data(self, link: RecvLink, conn_id: int, frame: Frame, told: set[str]) -> None:
+    async def _on_data_apart(
+        self, link: RecvLink, conn_id: int, frame: Frame, told: set[str], before: Awaitable[None] | None
+    ) -> None:
+        """A data frame of the landing chain: handled as any other, acknowledged after ``before``."""
+        try:
+            await self._on_data(link, conn_id, frame, told, before)
+        finally:
+            link.release(frame)
+
+    async def _on_data(
+        self, link: RecvLink, conn_id: int, frame: Frame, told: set[str], before: Awaitable[None] | None = None
+    ) -> None:
+        """Admit, receive, verify and count a data frame; its ACK waits for ``before`` (the
+        frame ahead of it in the landing chain, ``landing``), since an ACK covers every frame
+        up to it."""
         header = frame.header
         self.frames_received += 1
         self.bytes_received += header.body_bytes
@@ -278,6 +304,8 @@ class Receiver:
         if reason is not None:
             self.frames_rejected += 1
             self._reject(link, header, reason, told)
+        if before is not None:
+            await before
         link.ack(header.seq)
 
     async def _deliver(self, link: RecvLink, frame: Frame, sink: Sink, metrics: ProcessLink) -> str | None:

@@ -30,7 +30,14 @@ from collections.abc import Callable
 from kvstore.transfer.base import Expected, Sink, TransferError, TransferResult
 from kvstore.transfer.frames import FrameHeader, Kind
 from kvstore.transfer.placement import LocalPlacement
-from kvstore.transfer.progress import KDA_PARTS, TransferProgress, chunk_problem, describe_missing, merge_interval
+from kvstore.transfer.progress import (
+    KDA_PARTS,
+    TransferProgress,
+    chunk_problem,
+    claim,
+    describe_missing,
+    merge_interval,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +122,7 @@ class RequestTable:
             reason = f"rejected {header.describe()}: {reason}"
             self._fail_locked(progress, reason)
             return None, reason
+        claim(progress, header)
         return progress, None
 
     def open(self, request_id: str, conn_id: int) -> Sink | None:
@@ -374,5 +382,8 @@ class RequestTable:
                 assert p.blobs <= set(range(p.expected.num_blobs)), rid
                 assert not p.complete or p.all_chunks_in, rid
                 assert p.fenced or p.placement is not None, rid
+                assert p.blobs <= p.claimed_blobs, rid  # what landed was admitted
                 for layer, covered in p.mla_covered.items():
                     assert all(a < b for a, b in covered), (rid, layer)
+                    claimed = p.claimed_rows.get(layer, [])
+                    assert all(any(a <= t0 and t1 <= b for a, b in claimed) for t0, t1 in covered), (rid, layer)

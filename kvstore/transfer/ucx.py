@@ -9,7 +9,9 @@ endpoint its receives are posted on (so closing the link cancels them). Each dat
 header goes over TCP and its body as one tag message ``tag = prefix << 32 | seq`` from the
 tensor's memory; the receiver admits the header, then posts the matching tag receive straight
 into the destination when that is one contiguous view (else into a staging buffer), and
-checksums the body there (UCX holds a message that arrives first). The sender pipelines:
+checksums the body there (UCX holds a message that arrives first). It reads and admits the
+next header while a body lands (``lands_apart``, the receiver's ``landing`` chain), so the next
+body's receive is posted ahead and its rendezvous need not wait for this one. The sender pipelines:
 several bodies are in flight at once, bounded by its in-flight credit. Every body send/recv
 races the control connection closing, so a dead peer fails, not hangs.
 
@@ -289,6 +291,9 @@ class UcxRecvLink(StreamRecvLink):
     def _has_ucx_body(self, frame: Frame) -> bool:
         header = frame.header
         return frame.inline is None and header.kind.is_data and 0 < header.body_bytes <= self._config.max_frame_bytes
+
+    def lands_apart(self, frame: Frame) -> bool:
+        return self._has_ucx_body(frame)  # its body is a tag message, not on the control stream
 
     def _take(self, nbytes: int) -> np.ndarray:
         for i, buffer in enumerate(self._free):

@@ -149,6 +149,9 @@ class StreamRecvLink:
     async def next_frame(self) -> Frame | LinkClosed:
         return await self.conn.next_frame()
 
+    def lands_apart(self, frame: Frame) -> bool:
+        return False  # bodies ride the stream, right behind their headers
+
     def ack(self, seq: int) -> None:
         """Acknowledge every data frame up to ``seq`` (cumulative: frames are consumed in order).
 

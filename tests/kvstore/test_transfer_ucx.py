@@ -7,7 +7,9 @@ peer leaves no exception unretrieved; ``shutdown_ucx`` stops ucxx's notifier thr
 whose destination is one contiguous view is received straight into it and checksummed there
 (a fake endpoint stands for UCX); a scattered destination goes through a staging buffer; a
 receive into the destination that never completes aborts the endpoint before it fails. The
-transfer bench's UCX ceiling runs its two processes to their end.
+transfer bench's UCX ceiling runs its two processes to their end. The receiver reads the next
+header while a body lands: a body the sender holds back does not keep the frames behind it
+from landing, and a chunk admitted meanwhile cannot take the place of one still landing.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ import time
 import numpy as np
 import pytest
 
-from kvstore.transfer import TransferConfig, TransferError, connect, ucx_unavailable_reason
-from kvstore.transfer.base import Frame
-from kvstore.transfer.frames import ChecksumAlgo, DType, FrameHeader, Kind, checksum
+from kvstore.transfer import Expected, Receiver, TransferConfig, TransferError, connect, ucx_unavailable_reason
+from kvstore.transfer.base import Address, Frame
+from kvstore.transfer.frames import ChecksumAlgo, DType, FrameHeader, Kind, checksum, control_header
+from kvstore.transfer.ioloop import IoThread
 from kvstore.transfer.orphans import Orphans, num_parked
+from kvstore.transfer.registry import get_backend
+from kvstore.transfer.sinks import BlobSink
 from kvstore.transfer.ucx import UcxRecvLink, _tag
 from tests.kvstore.transfer_peer import LAYOUT, send_chunks, send_states, source
 from tests.kvstore.transfer_support import REPO_ROOT
@@ -206,3 +211,96 @@ def test_the_bench_ucx_ceiling_measures_both_receive_patterns_and_its_children_e
     assert ahead["exit_codes"] == [0, 0], ahead
     for name in transfer_peers.MOONCAKE_SIZES:
         assert ahead[name]["median_gbps"] > 0 and one[name]["median_gbps"] > 0, (ahead, one)
+
+
+# ---- the receiver reads the next header while a body lands (``kvstore.transfer.landing``) ----
+
+
+def blob_header(seq: int, index: int, body: np.ndarray) -> FrameHeader:
+    """A blob's data header as the ucx sender writes it (its body goes as a tag message)."""
+    return FrameHeader(Kind.BLOB, "r", seq=seq, layer=index, dtype=DType.UINT8, shape=(body.nbytes,),
+                       body_bytes=body.nbytes, body_checksum=checksum(ChecksumAlgo.CRC32, body),
+                       checksum_algo=ChecksumAlgo.CRC32)
+
+
+class RawUcxSender:
+    """A ucx link to an in-process receiver, driven frame by frame: a header can go without
+    its body, which is sent later (``release_body``), as a slow or reordering sender would."""
+
+    def __init__(self, receiver: Receiver, config: TransferConfig):
+        self.io = IoThread.shared()
+        self.link = self.io.run(get_backend("ucx").connect(Address.parse(receiver.address), config), 10)
+
+    def header_only(self, header: FrameHeader) -> None:
+        self.io.run(self.link.conn.write(header.pack()), 10)
+
+    def release_body(self, header: FrameHeader, body: np.ndarray) -> None:
+        send = self.link._endpoint.send(body, tag=_tag(self.link._tag_prefix, header.seq), force_tag=True)
+        self.io.run(_awaited(send), 10)
+
+    def frame(self, header: FrameHeader, body: np.ndarray) -> None:
+        self.io.run(self.link.send_data(header, [memoryview(body)]), 10)
+
+    def end(self, num_units: int) -> None:
+        self.header_only(control_header(Kind.END, "r", layer=num_units))
+
+    def close(self) -> None:
+        self.io.run(_closed(self.link), 10)
+
+
+async def _awaited(operation) -> None:
+    await operation
+
+
+async def _closed(link) -> None:
+    link.close()
+
+
+BLOBS = [np.random.default_rng(seed).integers(0, 256, size=64 << 10, dtype=np.uint8) for seed in (1, 2)]
+
+
+def test_a_body_held_back_does_not_keep_the_frames_behind_it_from_landing():
+    """Blob 0's header arrives, its body does not (yet); blob 1, behind it, lands and is
+    counted anyway: the receiver posted blob 0's receive and read on. Once blob 0's body
+    comes, the request completes with both exact."""
+    config = TransferConfig(deadline_s=20.0)
+    receiver = Receiver(config, backends="ucx")
+    sink = BlobSink()
+    receiver.expect("r", sink, Expected(num_blobs=2, max_blob_bytes=1 << 20))
+    sender = RawUcxSender(receiver, config)
+    try:
+        held, behind = blob_header(1, 0, BLOBS[0]), blob_header(2, 1, BLOBS[1])
+        sender.header_only(held)
+        sender.frame(behind, BLOBS[1])
+        receiver.wait_layer("r", 1, timeout_s=10)  # a receiver that waited for blob 0 times out here
+        assert 0 not in sink.blobs and sink.blobs[1] == BLOBS[1].tobytes()
+        sender.release_body(held, BLOBS[0])
+        sender.end(2)
+        result = receiver.wait_complete("r", timeout_s=10)
+        assert result.num_frames == 2
+        assert sink.blobs == {0: BLOBS[0].tobytes(), 1: BLOBS[1].tobytes()}
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_chunk_admitted_while_another_lands_cannot_take_its_place():
+    """Blob 0's header is admitted and its body still landing when a second blob 0 comes:
+    the second is refused as a duplicate (the first claimed its place on admission), and the
+    request fails rather than completing with whichever body landed last."""
+    config = TransferConfig(deadline_s=20.0)
+    receiver = Receiver(config, backends="ucx")
+    sink = BlobSink()
+    receiver.expect("r", sink, Expected(num_blobs=2, max_blob_bytes=1 << 20))
+    sender = RawUcxSender(receiver, config)
+    try:
+        held = blob_header(1, 0, BLOBS[0])
+        sender.header_only(held)
+        sender.frame(blob_header(2, 0, BLOBS[1]), BLOBS[1])
+        sender.release_body(held, BLOBS[0])
+        sender.end(2)
+        with pytest.raises(TransferError, match="duplicate blob 0"):
+            receiver.wait_complete("r", timeout_s=10)
+    finally:
+        sender.close()
+        receiver.close()
