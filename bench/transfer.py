@@ -13,7 +13,8 @@ stream between two processes, no framing or checksum) bounds every TCP transfer 
 ``ucx_ceiling`` (bare UCX tag messages between two processes with the ucx backend's UCX
 options, every receive posted ahead, no framing or checksum; measured with the ucx backend)
 bounds the ucx one; ``ucx_one_at_a_time`` is the same with each receive posted once the one
-before has landed and been checksummed, the pattern of the backend's receiver. The in-process
+before has landed and been checksummed, the pattern of the backend's receiver before it read
+ahead (it now posts each body's receive once it has admitted the header). The in-process
 baselines live in ``bench.transfer_baselines``; the ceilings and Mooncake, measured between
 child processes, in ``bench.transfer_peers``.
 
@@ -239,8 +240,8 @@ def goals(report: dict) -> dict:
         "shm_16MiB_vs_one_copy_serial": _ratio(shm.get("16MiB", {}), report["one_copy_serial"]["16MiB"], None),
         "tcp_16MiB_vs_mooncake_tcp": _ratio(tcp.get("16MiB", {}), report["mooncake"].get("16MiB", {}), None),
         # What UCX itself moves here: how much of the ucx rows' gap to tcp is UCX's (its ceiling
-        # over the socket's), how much is the receives posted one at a time (as the backend's
-        # receiver posts them) and how much the rest of the backend.
+        # over the socket's), what posting receives one at a time would cost (the backend's
+        # receiver posts them ahead, as it admits headers) and how much the rest of the backend.
         "ucx_16MiB_vs_ucx_ceiling": _ratio(ucx.get("16MiB", {}), ucx_ceiling.get("16MiB", {}), None),
         "ucx_16MiB_vs_ucx_one_at_a_time": _ratio(ucx.get("16MiB", {}), ucx_one.get("16MiB", {}), None),
         "ucx_one_at_a_time_16MiB_vs_ucx_ceiling": _ratio(ucx_one.get("16MiB", {}), ucx_ceiling.get("16MiB", {}),

@@ -164,9 +164,10 @@ def ucx_ceiling_child(role: str, spec: dict) -> None:
     - posted ahead: all of the sample's receives at once (every frame admitted ahead, no
       checksum): the most UCX moves here;
     - one at a time (``ONE_AT_A_TIME``): each receive posted once the one before has landed
-      and been checksummed where it landed, as the backend's receiver does (it admits a
-      frame's header, then posts its body's receive): a large message's rendezvous waits for
-      its receive, so what lies between two frames idles the link.
+      and been checksummed where it landed, as the backend's receiver did before it read
+      ahead (``kvstore.transfer.landing``; it now posts a body's receive as soon as it has
+      admitted the header, bounded by the sender's in-flight credit): a large message's
+      rendezvous waits for its receive, so what lies between two frames idles the link.
 
     One 1 MiB warm-up sample first, as ``bench_backend`` sends. The receiver prints
     ``{"address"}`` (its worker's, hex), reads the sender's on stdin, prints nothing more and
