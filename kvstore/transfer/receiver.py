@@ -228,7 +228,7 @@ class Receiver:
         """Fail the connection's requests; their placements are fenced only if the peer ended the
         stream (it writes nothing more). When we close it, they wait out ``fence_timeout_s``."""
         if partial is not None:
-            self._table.fail(partial.request_id, f"request {partial.request_id!r}: {reason}")
+            self._table.fail(partial.request_id, f"request {partial.request_id!r}: {reason}", conn_id)
         failed = self._table.fail_connection(conn_id, f"peer connection lost: {reason}")
         if by_peer:
             self._table.fence_connection(conn_id)

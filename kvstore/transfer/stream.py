@@ -222,11 +222,14 @@ class RequestTable:
             self._fail_locked(progress, reason)
             return reason
 
-    def fail(self, request_id: str, reason: str) -> int | None:
-        """Fail a pending request; returns its connection id when the request was newly failed."""
+    def fail(self, request_id: str, reason: str, conn_id: int | None = None) -> int | None:
+        """Fail a pending request (with ``conn_id``: only while it is bound to that connection,
+        not a new attempt under the same id); returns its connection id when newly failed."""
         with self._cond:
             progress = self._requests.get(request_id)
             if progress is None or progress.error is not None or progress.complete:
+                return None
+            if conn_id is not None and progress.conn_id != conn_id:
                 return None
             self._fail_locked(progress, reason)
             return progress.conn_id

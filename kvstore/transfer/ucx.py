@@ -9,9 +9,8 @@ endpoint its receives are posted on (so closing the link cancels them). Each dat
 header goes over TCP and its body as one tag message ``tag = prefix << 32 | seq`` from the
 tensor's memory; the receiver admits the header, then posts the matching tag receive straight
 into the destination when that is one contiguous view (else into a staging buffer), and
-checksums the body there (UCX holds a message that arrives first). It reads and admits the
-next header while a body lands (``lands_apart``, the receiver's ``landing`` chain), so the next
-body's receive is posted ahead and its rendezvous need not wait for this one. The sender pipelines:
+checksums the body there (UCX holds a message that arrives first), reading the next header
+meanwhile (``lands_apart``: the receiver's ``landing``). The sender pipelines:
 several bodies are in flight at once, bounded by its in-flight credit. Every body send/recv
 races the control connection closing, so a dead peer fails, not hangs.
 

@@ -136,6 +136,24 @@ def test_request_table_tracks_coverage_and_names_what_is_missing():
     assert len(table) == 0
 
 
+def test_a_closed_connection_fails_its_own_attempt_of_a_request_not_a_new_one():
+    """A connection that ends fails the request its last frame belonged to only while that
+    request is bound to it: a new attempt under the same id (a retry) is not failed by the
+    old link's end."""
+    table = RequestTable()
+    expected = Expected(mla_layers=(0,), token_start=0, token_end=8, mla_row_shape=(4,))
+    table.add("r", sink=None, expected=expected, deadline_s=30)
+    assert table.admit(_rows_header("r", 0, 0, 4), conn_id=1)[1] is None
+    table.landed("r")
+    table.cancel("r")  # the first attempt given up on; the retry expects the same id
+    table.add("r", sink=None, expected=expected, deadline_s=30)
+    assert table.fail("r", "old link closed", conn_id=1) is None
+    assert table.admit(_rows_header("r", 0, 0, 8), conn_id=2)[1] is None
+    assert table.fail("r", "its own link closed", conn_id=2) == 2
+    with pytest.raises(TransferError, match="its own link closed"):
+        table.wait_complete("r", timeout_s=0)
+
+
 def test_request_table_rejects_misfits_and_unknown_requests():
     table = RequestTable()
     table.add("r", sink=None, expected=Expected(mla_layers=(0,), token_end=8, mla_row_shape=(4,)), deadline_s=30)

@@ -304,3 +304,36 @@ def test_a_chunk_admitted_while_another_lands_cannot_take_its_place():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_body_that_never_comes_fails_its_request_and_the_receiver_serves_the_next_link():
+    """Blob 0's body never comes; blob 1 lands behind it. The request fails at its deadline
+    naming what is missing (blob 0 only), nothing hangs, and a new link to the same receiver
+    completes a request."""
+    config = TransferConfig(deadline_s=5.0)
+    receiver = Receiver(config, backends="ucx")
+    sink = BlobSink()
+    receiver.expect("r", sink, Expected(num_blobs=2, max_blob_bytes=1 << 20), deadline_s=1.0)
+    sender = RawUcxSender(receiver, config)
+    try:
+        sender.header_only(blob_header(1, 0, BLOBS[0]))
+        sender.frame(blob_header(2, 1, BLOBS[1]), BLOBS[1])
+        started = time.monotonic()
+        with pytest.raises(TransferError, match="missed its deadline") as failed:
+            receiver.wait_complete("r", timeout_s=15)
+        assert time.monotonic() - started < 10
+        assert "blob 0 missing" in str(failed.value) and "blob 1" not in str(failed.value)
+    finally:
+        sender.close()
+    again = RawUcxSender(receiver, config)
+    try:
+        sink = BlobSink()
+        receiver.expect("r", sink, Expected(num_blobs=2, max_blob_bytes=1 << 20))
+        again.frame(blob_header(1, 0, BLOBS[0]), BLOBS[0])
+        again.frame(blob_header(2, 1, BLOBS[1]), BLOBS[1])
+        again.end(2)
+        receiver.wait_complete("r", timeout_s=10)
+        assert sink.blobs == {0: BLOBS[0].tobytes(), 1: BLOBS[1].tobytes()}
+    finally:
+        again.close()
+        receiver.close()
