@@ -59,6 +59,12 @@ class Landing:
                 self._link.close()  # the reader's next frame is the LinkClosed
             raise
 
+    @property
+    def idle(self) -> bool:
+        """Nothing added is still being handled, and nothing failed (``settle`` would return
+        at once: the reader skips it, as on links whose bodies ride the stream)."""
+        return not self._pending and self._failure is None
+
     async def settle(self) -> None:
         """Wait until every frame added so far is handled; raises the first failure if one
         failed (its frame: ``failed_header``)."""

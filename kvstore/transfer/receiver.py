@@ -211,7 +211,8 @@ class Receiver:
                 landing.add(item.header, functools.partial(self._on_data_apart, link, conn_id, item, told))
                 continue
             try:
-                await landing.settle()  # every earlier frame is handled before this one
+                if not landing.idle:
+                    await landing.settle()  # every earlier frame is handled before this one
                 if closed:
                     self._on_closed(conn_id, item.reason, item.partial, by_peer=link.closed_by_peer)
                     return
