@@ -121,8 +121,12 @@ def _blob_problem(expected: Expected, progress: TransferProgress, header: FrameH
 def claim(progress: TransferProgress, header: FrameHeader) -> None:
     """Mark the place of an admitted chunk (one ``chunk_problem`` found none for) as taken."""
     if header.kind == Kind.MLA_ROWS:
-        rows = progress.claimed_rows.get(header.layer, [])
-        progress.claimed_rows[header.layer] = merge_interval(rows, (header.token_start, header.token_end))
+        rows = progress.claimed_rows.setdefault(header.layer, [])
+        t0, t1 = header.token_start, header.token_end
+        if rows and rows[-1][1] == t0:  # the usual order: right after the last chunk
+            rows[-1] = (rows[-1][0], t1)
+        else:
+            progress.claimed_rows[header.layer] = merge_interval(rows, (t0, t1))
     elif header.kind in KDA_PARTS:
         progress.claimed_parts.setdefault(header.layer, set()).add(header.kind)
     else:
