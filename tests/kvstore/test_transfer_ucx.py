@@ -15,6 +15,7 @@ from landing, and a chunk admitted meanwhile cannot take the place of one still 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -257,18 +258,30 @@ async def _closed(link) -> None:
 
 
 BLOBS = [np.random.default_rng(seed).integers(0, 256, size=64 << 10, dtype=np.uint8) for seed in (1, 2)]
+TWO_BLOBS = Expected(num_blobs=2, max_blob_bytes=1 << 20)
+
+
+@contextlib.contextmanager
+def blob_request(deadline_s: float = 20.0, request_deadline_s: float | None = None):
+    """An in-process ucx receiver expecting request "r" (two blobs into a ``BlobSink``) and a
+    ``RawUcxSender`` linked to it; both closed at the end."""
+    config = TransferConfig(deadline_s=deadline_s)
+    receiver = Receiver(config, backends="ucx")
+    sink = BlobSink()
+    receiver.expect("r", sink, TWO_BLOBS, deadline_s=request_deadline_s)
+    sender = RawUcxSender(receiver, config)
+    try:
+        yield receiver, sink, sender
+    finally:
+        sender.close()
+        receiver.close()
 
 
 def test_a_body_held_back_does_not_keep_the_frames_behind_it_from_landing():
     """Blob 0's header arrives, its body does not (yet); blob 1, behind it, lands and is
     counted anyway: the receiver posted blob 0's receive and read on. Once blob 0's body
     comes, the request completes with both exact."""
-    config = TransferConfig(deadline_s=20.0)
-    receiver = Receiver(config, backends="ucx")
-    sink = BlobSink()
-    receiver.expect("r", sink, Expected(num_blobs=2, max_blob_bytes=1 << 20))
-    sender = RawUcxSender(receiver, config)
-    try:
+    with blob_request() as (receiver, sink, sender):
         held, behind = blob_header(1, 0, BLOBS[0]), blob_header(2, 1, BLOBS[1])
         sender.header_only(held)
         sender.frame(behind, BLOBS[1])
@@ -279,21 +292,13 @@ def test_a_body_held_back_does_not_keep_the_frames_behind_it_from_landing():
         result = receiver.wait_complete("r", timeout_s=10)
         assert result.num_frames == 2
         assert sink.blobs == {0: BLOBS[0].tobytes(), 1: BLOBS[1].tobytes()}
-    finally:
-        sender.close()
-        receiver.close()
 
 
 def test_a_chunk_admitted_while_another_lands_cannot_take_its_place():
     """Blob 0's header is admitted and its body still landing when a second blob 0 comes:
     the second is refused as a duplicate (the first claimed its place on admission), and the
     request fails rather than completing with whichever body landed last."""
-    config = TransferConfig(deadline_s=20.0)
-    receiver = Receiver(config, backends="ucx")
-    sink = BlobSink()
-    receiver.expect("r", sink, Expected(num_blobs=2, max_blob_bytes=1 << 20))
-    sender = RawUcxSender(receiver, config)
-    try:
+    with blob_request() as (receiver, _, sender):
         held = blob_header(1, 0, BLOBS[0])
         sender.header_only(held)
         sender.frame(blob_header(2, 0, BLOBS[1]), BLOBS[1])
@@ -301,21 +306,13 @@ def test_a_chunk_admitted_while_another_lands_cannot_take_its_place():
         sender.end(2)
         with pytest.raises(TransferError, match="duplicate blob 0"):
             receiver.wait_complete("r", timeout_s=10)
-    finally:
-        sender.close()
-        receiver.close()
 
 
 def test_a_body_that_never_comes_fails_its_request_and_the_receiver_serves_the_next_link():
     """Blob 0's body never comes; blob 1 lands behind it. The request fails at its deadline
     naming what is missing (blob 0 only), nothing hangs, and a new link to the same receiver
-    completes a request."""
-    config = TransferConfig(deadline_s=5.0)
-    receiver = Receiver(config, backends="ucx")
-    sink = BlobSink()
-    receiver.expect("r", sink, Expected(num_blobs=2, max_blob_bytes=1 << 20), deadline_s=1.0)
-    sender = RawUcxSender(receiver, config)
-    try:
+    completes a request under the same id (a retry)."""
+    with blob_request(deadline_s=5.0, request_deadline_s=1.0) as (receiver, _, sender):
         sender.header_only(blob_header(1, 0, BLOBS[0]))
         sender.frame(blob_header(2, 1, BLOBS[1]), BLOBS[1])
         started = time.monotonic()
@@ -323,17 +320,15 @@ def test_a_body_that_never_comes_fails_its_request_and_the_receiver_serves_the_n
             receiver.wait_complete("r", timeout_s=15)
         assert time.monotonic() - started < 10
         assert "blob 0 missing" in str(failed.value) and "blob 1" not in str(failed.value)
-    finally:
-        sender.close()
-    again = RawUcxSender(receiver, config)
-    try:
-        sink = BlobSink()
-        receiver.expect("r", sink, Expected(num_blobs=2, max_blob_bytes=1 << 20))
-        again.frame(blob_header(1, 0, BLOBS[0]), BLOBS[0])
-        again.frame(blob_header(2, 1, BLOBS[1]), BLOBS[1])
-        again.end(2)
-        receiver.wait_complete("r", timeout_s=10)
-        assert sink.blobs == {0: BLOBS[0].tobytes(), 1: BLOBS[1].tobytes()}
-    finally:
-        again.close()
-        receiver.close()
+        sender.close()  # blob 0's receive fails, maybe once the retry is expected: it must not fail that
+        again = RawUcxSender(receiver, TransferConfig(deadline_s=5.0))
+        try:
+            sink = BlobSink()
+            receiver.expect("r", sink, TWO_BLOBS)
+            again.frame(blob_header(1, 0, BLOBS[0]), BLOBS[0])
+            again.frame(blob_header(2, 1, BLOBS[1]), BLOBS[1])
+            again.end(2)
+            receiver.wait_complete("r", timeout_s=10)
+            assert sink.blobs == {0: BLOBS[0].tobytes(), 1: BLOBS[1].tobytes()}
+        finally:
+            again.close()
