@@ -12,6 +12,8 @@ A tenant's ``TenantLimits`` (``conductor.apikeys``: ``max_running``, ``max_queue
 - when the cluster's queue is full, a newcomer whose tenant holds less of the queue per
   weight than another tenant takes the place of that tenant's newest waiting request, which
   is refused (``tenant_share``); otherwise the newcomer is refused (``queue_full``);
+- a waiting request whose caller says it is ``gone`` (its client left) gives its place up at
+  once (``gone``): it is never granted a slot nobody would use;
 - a waiting request waits at most the timeout its caller gives (``waited``). The Conductor
   gives the sooner of the request's deadline (``deadline_s``, or the client's gRPC deadline)
   and ``--max-queue-wait-s``, and answers DEADLINE_EXCEEDED when the deadline was the bound,
@@ -30,7 +32,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-REFUSAL_KINDS = ("queue_full", "tenant_limit", "tenant_share", "waited")
+REFUSAL_KINDS = ("queue_full", "tenant_limit", "tenant_share", "waited", "gone")
 
 
 @dataclass(frozen=True)
@@ -95,9 +97,11 @@ class Admission:
         self.num_running = 0  # read by the metrics without the lock (a snapshot is good enough)
         self.num_queued = 0
 
-    def try_enter(self, timeout_s: float, tenant: str = "", limits: TenantLimits = TenantLimits()) -> Refusal | None:
+    def try_enter(self, timeout_s: float, tenant: str = "", limits: TenantLimits = TenantLimits(),
+                  gone: threading.Event | None = None) -> Refusal | None:
         """None when admitted (the caller must ``leave(tenant)`` later); else why not. Blocks
-        up to ``timeout_s`` while queued. ``limits``: the tenant's, as its key says now."""
+        up to ``timeout_s`` while queued, or until ``gone`` is set (then ``wake``).
+        ``limits``: the tenant's, as its key says now."""
         with self._cond:
             t = self._tenants.setdefault(tenant, _Tenant(limits))
             t.limits = limits
@@ -113,6 +117,9 @@ class Admission:
                 return refusal
             until = time.monotonic() + timeout_s
             while not ticket.granted and ticket.refusal is None:
+                if gone is not None and gone.is_set():
+                    self._withdraw(t, ticket)
+                    return Refusal("gone", "the client left while the request waited in the admission queue")
                 left = until - time.monotonic()
                 if left <= 0:
                     self._withdraw(t, ticket)
@@ -129,6 +136,11 @@ class Admission:
             self.num_running -= 1
             self._grant()
             self._forget_if_idle(tenant, t)
+
+    def wake(self) -> None:
+        """Every waiter looks at its ``gone`` again (a caller sets one, then wakes them)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def running_of(self, tenant: str) -> tuple[int, int]:
         """(running, waiting) requests of ``tenant`` now."""

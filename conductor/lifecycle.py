@@ -214,6 +214,8 @@ class RequestLife:
         why = str(loss) if loss is not None else ""
         attempt = 0
         while True:
+            if self.cancelled:  # the client left before this placement: nothing is reserved for it
+                return None
             attempt += 1
             routed, keys = self._route(facts, avoid)
             if isinstance(routed, Rejection) or routed.decode_worker in self._lost:

@@ -203,7 +203,8 @@ class ConductorMetrics:
                 self._series(tenant).within_slo.inc()
 
     def refused(self, tenant: str, outcome: str, reason: str) -> None:
-        """A request ended before any work: ``rejected`` (with its reason) or ``invalid``."""
+        """A request ended before any work: ``rejected`` (with its reason), ``invalid``, or
+        ``cancelled`` (``client_gone``: its client left while it waited for admission)."""
         if self.enabled:
             self._count(tenant, outcome, reason)
 

@@ -142,7 +142,16 @@ class InferenceService:
         deadline_s = min(valid.deadline_s, client_left_s if client_left_s is not None else math.inf)
         # Admission is shared by the key's tenant (its sub-tenants count as it), under its limits.
         share = (key.tenant, key.limits) if key is not None else (valid.tenant, TenantLimits())
-        self._admit(request, valid, deadline_s, share, context)
+        gone = threading.Event()  # the call ended (its client left): a queued request gives up its place
+
+        def client_left() -> None:
+            gone.set()
+            self.admission.wake()
+
+        if not context.add_callback(client_left):  # (False: the call has ended already)
+            client_left()
+        if not self._admit(request, valid, deadline_s, share, context, gone):
+            return
         claim = self.live.claim(valid.tenant, request.request_id, failover=request.failover or bool(valid.resumed))
         if claim is None:
             self.metrics.refused(valid.tenant, "rejected", "duplicate_id")
@@ -154,7 +163,8 @@ class InferenceService:
                            max_migrations=self.config.max_decode_migrations,
                            prefill_timeout_s=self.config.prefill_timeout_s, client_deadline_s=context.time_remaining(),
                            client_request_id=claim.client_request_id, live_key=claim.live_key)
-        context.add_callback(life.cancel)
+        if not context.add_callback(life.cancel):  # the client left while the request was admitted
+            life.cancel()
         try:
             yield from life.run()
         except Refused as e:
@@ -183,12 +193,18 @@ class InferenceService:
             refuse(context, e, f"Generate as tenant {request.tenant!r}")
 
     def _admit(self, request: pb.GenerateRequest, valid: ValidRequest, deadline_s: float,
-               share: tuple[str, TenantLimits], context: grpc.ServicerContext) -> None:
+               share: tuple[str, TenantLimits], context: grpc.ServicerContext, gone: threading.Event) -> bool:
         """A running slot for the tenant's share, waited for until the deadline or
-        ``--max-queue-wait-s``, whichever is sooner; refused with the reason otherwise."""
-        refusal = self.admission.try_enter(min(deadline_s, self.config.max_queue_wait_s), *share)
+        ``--max-queue-wait-s``, whichever is sooner; refused with the reason otherwise. False
+        when the call ended while the request waited: there is nothing to answer."""
+        refusal = self.admission.try_enter(min(deadline_s, self.config.max_queue_wait_s), *share, gone=gone)
         if refusal is None:
-            return
+            return True
+        if refusal.kind == "gone":  # the call has ended: its gRPC deadline passed, or the client left
+            left_s = context.time_remaining()
+            expired = left_s is not None and left_s <= 0
+            self.metrics.refused(valid.tenant, *(("rejected", "deadline") if expired else ("cancelled", "client_gone")))
+            return False
         late = deadline_s <= self.config.max_queue_wait_s and refusal.kind == "waited"
         reason = "deadline" if late else "queue_full" if refusal.kind == "waited" else refusal.kind
         self._refuse(valid.tenant, request.request_id or "(no id)", reason,

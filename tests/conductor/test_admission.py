@@ -21,12 +21,13 @@ class Waiter:
                  timeout_s: float = 30.0):
         self.tenant = tenant
         self.done = threading.Event()
+        self.gone = threading.Event()  # set (then ``admission.wake()``) when its client leaves
         self.result: Refusal | None = None
         self._thread = threading.Thread(target=self._run, args=(admission, tenant, limits, timeout_s), daemon=True)
         self._thread.start()
 
     def _run(self, admission, tenant, limits, timeout_s) -> None:
-        self.result = admission.try_enter(timeout_s, tenant, limits)
+        self.result = admission.try_enter(timeout_s, tenant, limits, gone=self.gone)
         self.done.set()
 
     def outcome(self) -> Refusal | None:
@@ -56,6 +57,21 @@ def test_one_tenant_is_bounded_fifo():
     assert third.outcome() is None and (adm.num_running, adm.num_queued) == (2, 0)
     waited = adm.try_enter(0.05)
     assert waited.kind == "waited" and adm.num_queued == 0
+
+
+def test_a_waiter_whose_client_left_gives_its_place_up_and_is_never_granted():
+    adm = Admission(AdmissionConfig(max_running=1, max_queued=2))
+    assert adm.try_enter(1.0) is None
+    first = Waiter(adm, "")
+    queued(adm, 1)
+    second = Waiter(adm, "")
+    queued(adm, 2)
+    first.gone.set()
+    adm.wake()
+    left = first.outcome()
+    assert left.kind == "gone" and adm.num_queued == 1
+    adm.leave()  # the freed slot goes to the one still waiting, not to the one that left
+    assert second.outcome() is None and (adm.num_running, adm.num_queued) == (1, 0)
 
 
 def test_a_tenant_at_its_limits_waits_or_is_refused_while_others_are_admitted():
