@@ -32,6 +32,7 @@ from runtime.worker_config import WorkerConfig
 from runtime.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
+SIGNAL_POLL_S = 0.2  # how soon the main thread runs a signal handler another thread took (wait_for_signal)
 
 
 @runtime_checkable
@@ -160,13 +161,19 @@ class WorkerServiceBase(ServiceBase):
 
 
 def wait_for_signal(announce: str = "") -> None:
-    """Blocks the calling (main) thread until SIGTERM or SIGINT; installs the two handlers."""
+    """Blocks the calling (main) thread until SIGTERM or SIGINT; installs the two handlers.
+
+    The wait wakes every ``SIGNAL_POLL_S``: Python runs a handler only on the main thread, and
+    only when it runs bytecode. The kernel may deliver the signal to any thread (gRPC's, the
+    loops'); that interrupts none of the main thread's waits, so an untimed wait would sleep
+    through it for good (a SIGTERM left a Conductor running until it was killed)."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     if announce:
         print(announce, flush=True)
-    stop.wait()
+    while not stop.wait(SIGNAL_POLL_S):
+        pass
 
 
 def serve_until_signal(service: Service, drain_timeout_s: float,
