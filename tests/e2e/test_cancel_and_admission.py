@@ -79,14 +79,14 @@ def test_a_client_leaving_the_admission_queue_is_never_placed(one_slot):
             with pytest.raises(grpc.RpcError) as e:
                 list(call)
             assert e.value.code() == grpc.StatusCode.CANCELLED
+        stats = wait_all_freed(one_slot)
+        assert all(s.num_live_requests == 0 and s.num_free_pages == s.num_pages_total for s in stats.values()), stats
+        assert _num_waiting(one_slot) == 0
+        out = client.generate(Client.request(prompt(20, 907), max_tokens=3))  # no slot was lost either
+        assert out.finish_reason == "length"
     finally:
         holder.cancel()
-    stats = wait_all_freed(one_slot)
-    assert all(s.num_live_requests == 0 and s.num_free_pages == s.num_pages_total for s in stats.values()), stats
-    assert _num_waiting(one_slot) == 0
-    out = client.generate(Client.request(prompt(20, 907), max_tokens=3))  # no slot was lost either
-    assert out.finish_reason == "length"
-    client.close()
+        client.close()
 
 
 def test_the_admission_wait_ends_at_the_deadline_or_the_cap(one_slot):
