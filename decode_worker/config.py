@@ -15,7 +15,7 @@ class DecodeConfig(WorkerConfig):
     transfer_deadline_s: float = field(default=60.0, metadata={"help": "longest wait for a request's KV"})
     reservation_ttl_s: float = field(default=120.0, metadata={
         "help": "a reservation whose Decode call never comes (its Conductor died) is freed after this long "
-                "without its KV arriving"})
+                "without its KV arriving; one whose KV transfer failed (the prefill worker's ABORT) at once"})
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -14,7 +14,9 @@ is running.
 
 A reservation whose ``Decode`` call never comes (its Conductor died) expires
 ``reservation_ttl_s`` after its last sign of life: the reservation, or its KV still arriving
-(``ReservationTransfers.receiving``). Its pages are freed only once the receiver has forgotten
+(``ReservationTransfers.receiving``). One whose transfer failed (``ReservationTransfers.failure``:
+the prefill worker's ABORT, which a prefill whose Conductor left sends, or its connection's
+loss) is freed at the next check, within ``EXPIRY_CHECK_S``. Its pages are freed only once the receiver has forgotten
 it (``ReservationTransfers.cancel``, which waits out a sender still writing into them), so the
 KV of a prefill that runs after the expiry can never land in pages another request holds by
 then: it is refused, and that placement fails.
@@ -110,6 +112,11 @@ class ReservationTransfers(Protocol):
 
     def receiving(self, request_id: str) -> bool:
         """Its KV is arriving: frames came and it is neither complete nor failed."""
+
+    def failure(self, request_id: str) -> str | None:
+        """Why its transfer failed (its sender aborted, died, sent something wrong, or its
+        deadline passed), else None: a failed one never completes, so no Decode call can use
+        the reservation."""
 
     def cancel(self, request_id: str) -> None:
         """Forget it; returns once no sender may write into its destination."""
@@ -291,18 +298,24 @@ class DecodeScheduler:
         self._wake.notify_all()
 
     def _expire_reservations(self) -> None:
-        """Under lock: reservations past their TTL leave the table; KV still arriving renews
-        one. Their pages are freed here without a receiver, else by a thread once the receiver
-        has forgotten them (``cancel`` may wait for a sender; the loop must not)."""
+        """Under lock: reservations past their TTL leave the table, and so do those whose KV
+        transfer failed (its sender's ABORT among the causes: no Decode call can use them);
+        KV still arriving renews one. Their pages are freed here without a receiver, else by a
+        thread once the receiver has forgotten them (``cancel`` may wait for a sender; the loop
+        must not)."""
         now = time.monotonic()
         expired = []
         for rid, res in list(self._reserved.items()):
-            if res.expires_at >= now:
-                continue
-            if self.transfers is not None and self.transfers.receiving(rid):
-                res.expires_at = now + self.reservation_ttl_s
-                continue
-            log.warning("reservation %s expired without a decode call; freeing it", rid)
+            failure = self.transfers.failure(rid) if self.transfers is not None else None
+            if failure is None:
+                if res.expires_at >= now:
+                    continue
+                if self.transfers is not None and self.transfers.receiving(rid):
+                    res.expires_at = now + self.reservation_ttl_s
+                    continue
+                log.warning("reservation %s expired without a decode call; freeing it", rid)
+            else:
+                log.warning("reservation %s lost its KV transfer (%s); freeing it", rid, failure)
             del self._reserved[rid]
             expired.append((rid, res.seq))
         if not expired:

@@ -145,6 +145,11 @@ class Receiver:
         """Chunks of the request have arrived, and it is neither complete nor failed."""
         return self._table.receiving(request_id)
 
+    def failure(self, request_id: str) -> str | None:
+        """Why the request failed (corruption, truncation, peer death, the sender's ABORT, its
+        deadline) while nobody collected it yet: it can never complete. None if it has not."""
+        return self._table.failure(request_id)
+
     def cancel(self, request_id: str) -> None:
         """Forget a request; waiters get TransferError and its sender is told to stop."""
         self._table.cancel(request_id)

@@ -314,6 +314,13 @@ class RequestTable:
             progress = self._requests.get(request_id)
             return progress is not None and progress.num_frames > 0 and not progress.complete and progress.error is None
 
+    def failure(self, request_id: str) -> str | None:
+        """Why the request failed, while it is not collected yet (no chunk of it will be
+        admitted again); None when it has not failed or is unknown."""
+        with self._cond:
+            progress = self._requests.get(request_id)
+            return None if progress is None else progress.error
+
     def cancel(self, request_id: str) -> int | None:
         """Forget the request (waiters get TransferError) once its placement, if any, is fenced;
         returns its connection id, if bound."""

@@ -257,9 +257,13 @@ class _Transfers:
 
     def __init__(self, sched_pool, receiving: set[str]) -> None:
         self.pool, self.arriving, self.cancelled = sched_pool, receiving, []
+        self.lost: set[str] = set()
 
     def receiving(self, request_id: str) -> bool:
         return request_id in self.arriving
+
+    def failure(self, request_id: str) -> str | None:
+        return "aborted by the sender" if request_id in self.lost else None
 
     def cancel(self, request_id: str) -> None:
         self.cancelled.append((request_id, self.pool.num_free))
@@ -321,5 +325,52 @@ def test_expiry_through_the_real_receiver_forgets_the_destination(tiny):
         _until(lambda: sched.cache.pool.num_free == 8)
         assert receiver.num_pending == 0  # a prefill pushing its KV now is refused, not written
     finally:
+        sched.stop()
+        receiver.close()
+
+
+def test_a_reservation_whose_transfer_failed_is_freed_long_before_its_ttl(tiny):
+    sched = DecodeScheduler(tiny, 8, 2, BLOCK, reservation_ttl_s=600.0)  # its loop not started: checks by hand
+    sched.transfers = transfers = _Transfers(sched.cache.pool, receiving={"aborted"})
+    assert sched.try_reserve("aborted", 2 * BLOCK) is not None
+    assert sched.try_reserve("waiting", 2 * BLOCK) is not None
+    with sched._lock:
+        sched._expire_reservations()
+    assert transfers.cancelled == [] and sched.cache.pool.num_free == 4
+    transfers.arriving.clear()
+    transfers.lost.add("aborted")  # e.g. its prefill worker's ABORT: no Decode call can use it
+    with sched._lock:
+        sched._expire_reservations()
+    _until(lambda: sched.cache.pool.num_free == 6)
+    assert transfers.cancelled == [("aborted", 4)]  # forgotten by the receiver before its pages went
+    with pytest.raises(Exception, match="no reservation"):
+        sched.start_decoding("aborted", 2 * BLOCK, 3, SamplingParams(max_new_tokens=2))
+    assert set(sched.load().request_ids) == {"waiting"}  # the other one keeps its TTL
+
+
+def test_a_senders_abort_through_the_real_receiver_frees_the_reservation(tiny):
+    """What a prefill whose Conductor left does (``prefill_worker.runner``): it ABORTs the
+    placement, before or after sending any of its KV; the decode worker frees the pages at its
+    next check instead of holding them for the reservation's TTL."""
+    from decode_worker.sink import expected_for, sink_for
+    from kvstore.transfer import Receiver, TransferConfig
+    from kvstore.transfer.sender import connect
+
+    receiver = Receiver(TransferConfig())
+    sched = DecodeScheduler(tiny, 8, 2, BLOCK, reservation_ttl_s=600.0, transfers=receiver)
+    sched.start()
+    sender = None
+    try:
+        seq = sched.try_reserve("orphan", 2 * BLOCK)
+        receiver.expect("orphan", sink_for(sched.cache, seq), expected_for(sched.cache, 2 * BLOCK), 600.0)
+        assert sched.cache.pool.num_free == 6
+        sender = connect(receiver.address, TransferConfig())
+        sender.abort("orphan", "cancelled: its Conductor left", wait_s=5.0)
+        _until(lambda: sched.cache.pool.num_free == 8)
+        assert receiver.num_pending == 0 and sched.load().request_ids == ()
+        sched.check_integrity()
+    finally:
+        if sender is not None:
+            sender.close()
         sched.stop()
         receiver.close()
