@@ -16,7 +16,10 @@ whose page pool the store's device tier shares):
    or loaded in (a copy to DRAM when the tier cannot take it), and return the events.
 The cache is always released and the pins dropped, whatever happens.
 
-Prefills run one at a time (``_engine_lock``); waiting requests count as the queue.
+Prefills run one at a time (``_engine_lock``); waiting requests count as the queue. One whose
+caller left while it waited (``is_cancelled``) does no work: it ABORTs its placement, so the
+decode worker frees the reservation at once, which matters when the caller was a Conductor that
+died and will never release it.
 Metrics (``prefill_worker.metrics.PrefillMetrics``, optional): tokens and duration per
 prefill and per stage (``StageClock``), layer and chunk compute times from the per-layer
 hook; gauges read ``load()``.
@@ -185,6 +188,12 @@ class PrefillRunner:
         t0 = clock.last_lap_s  # the engine lock was taken: the prefill's stages start here
         reuse, seq, sender = Reuse(), None, None
         try:
+            if is_cancelled():
+                # Its caller left while it queued (a client's cancel, or its Conductor died):
+                # no work, and the ABORT below, so that the decode worker frees the
+                # reservation now rather than at its TTL (a dead Conductor releases nothing).
+                sender = self.hub.sender(job.decode_transfer_address)
+                raise Cancelled(f"request {job.placement_id} cancelled while queued")
             self._plan_reuse(job, reuse)
             seq = self._reserve(job, reuse)
             cached = resume_from_blocks(self.model, self.cache, seq, len(reuse.in_place), reuse.in_place_snapshot,

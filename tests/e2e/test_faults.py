@@ -1,8 +1,9 @@
 """Fault tolerance on real processes: a decode worker lost mid-stream (the request moves to
 another decode worker and the client's stream goes on token-exact), a hung prefill worker
 (SIGSTOP: the attempt is cancelled at its bound and retried elsewhere) and deadlines that
-cannot be met (DEADLINE_EXCEEDED, never a FAILED terminal after some tokens), and a decode
-reservation that expires while its prefill is stopped (retried, token-exact).
+cannot be met (DEADLINE_EXCEEDED, never a FAILED terminal after some tokens), a decode
+reservation that expires while its prefill is stopped (retried, token-exact), and a Conductor
+killed with requests at the prefill worker (their reservations freed at once, not at the TTL).
 
 Streams are made long (hundreds of tokens at milliseconds each) so that a worker killed
 after the first few tokens the client reads is killed mid-stream; the tests assert where the
@@ -21,6 +22,9 @@ import engine
 from conductor.client import Client
 from deploy.local import ClusterConfig, LocalCluster
 from proto import inference_pb2 as pb
+from proto import internal_pb2 as ipb
+from proto import internal_pb2_grpc as igrpc
+from runtime.auth import worker_principal
 from tests.e2e.conftest import DECODE_ARGS, WORKER_ARGS, make_cluster
 from tests.e2e.helpers import prompt, run_all, wait_all_freed, worker_stats
 
@@ -284,3 +288,58 @@ def test_a_reservation_expired_while_its_prefill_was_stopped_is_retried_token_ex
         assert c.token_ids == engine.generate(reference, p, 8)
         stats = wait_all_freed(cluster)
         assert all(s.num_live_requests == 0 and s.num_free_pages == s.num_pages_total for s in stats.values())
+
+
+def test_a_dead_conductors_reservations_are_freed_by_the_prefill_workers_abort(reference):
+    """The Conductor SIGKILLed while its requests are at the prefill worker (one prefilling,
+    the rest queued) releases nothing; the prefill worker sees each call end, ABORTs each
+    placement (the queued ones without doing their work) and the decode worker frees every
+    reservation within seconds, not at its TTL (600 s here)."""
+    config = ClusterConfig(num_prefill=1, num_decode=1, policy="round_robin", prefill_args=WORKER_ARGS,
+                           decode_args=(*DECODE_ARGS, "--reservation-ttl-s", "600"))
+    num = 4
+    with LocalCluster(config) as cluster:
+        stubs, channels = {}, []  # asked directly: the Conductor, which lists the workers, is killed
+        for info in cluster.workers().workers:
+            ch = cluster.channel(info.rpc_address, worker_principal(info.worker_id))
+            channels.append(ch)
+            prefill = info.role == ipb.WORKER_ROLE_PREFILL
+            stubs[info.worker_id] = igrpc.PrefillStub(ch) if prefill else igrpc.DecodeStub(ch)
+
+        def stats() -> dict[str, ipb.WorkerStats]:
+            return {w: stub.Stats(ipb.StatsRequest(), timeout=5) for w, stub in stubs.items()}
+
+        client = Client(cluster.endpoint)
+        # About a second of prefill each on the tiny model: all four are reserved on the
+        # decode worker long before the first prefill ends, so none is decoding at the kill.
+        calls = [client.stub.Generate(Client.request(prompt(3000, 1800 + i), max_tokens=8), timeout=120)
+                 for i in range(num)]
+        try:
+            until = time.monotonic() + 60
+            while True:
+                now = stats()
+                if now["decode-0"].num_live_requests == num and now["prefill-0"].num_live_requests == 1:
+                    break
+                assert time.monotonic() < until, f"the requests were never all placed: {now}"
+                time.sleep(0.02)
+            time.sleep(0.2)  # every Prefill call sent (each follows its Reserve at once)
+            cluster.kill("conductor")
+            until = time.monotonic() + 60
+            while True:
+                now = stats()
+                if all(s.num_live_requests == 0 and s.num_free_pages == s.num_pages_total for s in now.values()):
+                    break
+                assert time.monotonic() < until, f"a dead Conductor's requests still hold pages: {now}"
+                time.sleep(0.1)
+        finally:
+            for call in calls:
+                call.cancel()
+            client.close()
+            for ch in channels:
+                ch.close()
+        log = (cluster.log_dir / "decode-0.log").read_text()
+        assert log.count("lost its KV transfer") == num, log[-3000:]
+        assert "expired without a decode call" not in log
+        # The one prefilling stopped at its next layer; the queued ones did none of their work.
+        assert log.count("cancelled during prefill") == 1 and log.count("cancelled while queued") == num - 1, \
+            log[-3000:]

@@ -31,9 +31,10 @@ DEADLINE_S = 240.0  # a guard against hangs
 
 @pytest.fixture(scope="module")
 def replicas():
-    # A killed replica's reservations whose Decode never comes are freed after the TTL. It
-    # also bounds a live placement's prefill (reserve to Decode): 10 s expired some on a host
-    # at load 9 (two benchmarks beside this suite), which the migrations could not outlast.
+    # A killed replica's reservations are freed by the prefill worker's ABORT; only one killed
+    # between a Reserve and its Prefill call (or the prefill's answer and Decode) waits for the
+    # TTL. The TTL also bounds a live placement's prefill queue (reserve to the first KV): 10 s
+    # expired some on a host at load 9 (two benchmarks beside this suite).
     config = ClusterConfig(num_prefill=2, num_decode=2, num_conductors=3, policy="round_robin",
                            prefill_args=WORKER_ARGS, decode_args=(*DECODE_ARGS, "--reservation-ttl-s", "30"),
                            supervise=True, http_port=0,
