@@ -14,12 +14,13 @@ is running.
 
 A reservation whose ``Decode`` call never comes (its Conductor died) expires
 ``reservation_ttl_s`` after its last sign of life: the reservation, or its KV still arriving
-(``ReservationTransfers.receiving``). One whose transfer failed (``ReservationTransfers.failure``:
-the prefill worker's ABORT, which a prefill whose Conductor left sends, or its connection's
-loss) is freed at the next check, within ``EXPIRY_CHECK_S``. Its pages are freed only once the receiver has forgotten
-it (``ReservationTransfers.cancel``, which waits out a sender still writing into them), so the
-KV of a prefill that runs after the expiry can never land in pages another request holds by
-then: it is refused, and that placement fails.
+(``ReservationTransfers.receiving``). One whose transfer failed
+(``ReservationTransfers.failure``: the prefill worker's ABORT, which a prefill whose Conductor
+left sends, or its connection's loss) is freed at the next check, within ``EXPIRY_CHECK_S``.
+Its pages are freed only once the receiver has forgotten it (``ReservationTransfers.cancel``,
+which waits out a sender still writing into them), so the KV of a prefill that runs after the
+expiry can never land in pages another request holds by then: it is refused, and that
+placement fails.
 
 Per step, the loop's own Python work that grows with the batch is handing each request its
 token (a C-level queue put, a fraction of a microsecond) and the length and stop checks; the
