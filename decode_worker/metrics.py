@@ -1,5 +1,7 @@
 """The decode worker's Prometheus metrics: step time and batch size per step, tokens
-generated, and scrape-time gauges of the scheduler (running, queued, free and total pages).
+generated, reservations freed without a Decode call (``reason``: ``expired``, its TTL passed;
+``transfer_failed``, its KV transfer failed, e.g. the prefill worker's ABORT for a Conductor
+that died), and scrape-time gauges of the scheduler (running, queued, free and total pages).
 
 ``DecodeMetrics(identity)`` is handed to ``DecodeScheduler`` (``metrics=``), which calls
 ``step`` once per decode step from its loop thread and registers itself with ``watch`` so the
@@ -25,6 +27,8 @@ from runtime.metrics import (
     weak_source,
 )
 
+FREED_REASONS = ("expired", "transfer_failed")
+
 
 class DecodeMetrics:
     def __init__(self, identity: Identity | None, registry: CollectorRegistry | None = None):
@@ -40,6 +44,10 @@ class DecodeMetrics:
                              buckets=BATCH_BUCKETS).labels(**labels)
         self._tokens = family(registry, Counter, "decode_generated_tokens", "Tokens produced by decode steps",
                               IDENTITY_LABELS).labels(**labels)
+        freed = family(registry, Counter, "decode_reservations_freed",
+                       "Reservations freed without a Decode call: expired (TTL) or transfer_failed",
+                       (*IDENTITY_LABELS, "reason"))
+        self._freed = {reason: freed.labels(**labels, reason=reason) for reason in FREED_REASONS}
 
     @classmethod
     def disabled(cls) -> DecodeMetrics:
@@ -51,6 +59,11 @@ class DecodeMetrics:
             self._step_s.observe(step_s)
             self._batch.observe(batch_size)
             self._tokens.inc(batch_size)
+
+    def reservation_freed(self, reason: str) -> None:
+        """A reservation left without its Decode call, for ``reason`` (``FREED_REASONS``)."""
+        if self.enabled:
+            self._freed[reason].inc()
 
     def watch(self, scheduler: Any) -> None:
         """Read ``scheduler.load()`` and its page pool at every scrape (held weakly)."""

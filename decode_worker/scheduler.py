@@ -315,8 +315,10 @@ class DecodeScheduler:
                     res.expires_at = now + self.reservation_ttl_s
                     continue
                 log.warning("reservation %s expired without a decode call; freeing it", rid)
+                self.metrics.reservation_freed("expired")
             else:
                 log.warning("reservation %s lost its KV transfer (%s); freeing it", rid, failure)
+                self.metrics.reservation_freed("transfer_failed")
             del self._reserved[rid]
             expired.append((rid, res.seq))
         if not expired:

@@ -147,6 +147,10 @@ def scheduler() -> Dashboard:
            Target(f"sum by (worker_id) (tidekv:decode_queued_requests{{{W}}})", "queued {{worker_id}}")),
         ts("Decode pages", Target(f"sum by (worker_id) (tidekv:decode_free_pages{{{W}}})", "free {{worker_id}}"),
            Target(f"sum by (worker_id) (tidekv:decode_total_pages{{{W}}})", "total {{worker_id}}")),
+        ts("Decode reservations freed without a Decode call",
+           Target(rate("tidekv:decode_reservations_freed_total", "worker_id, reason", W), "{{reason}} {{worker_id}}"),
+           unit="ops", description="transfer_failed: the KV transfer failed (the prefill worker ABORTs the "
+                                   "placements of a Conductor that died); expired: no sign of life for the TTL"),
     ))
 
 
