@@ -201,6 +201,8 @@ class PrefillRunner:
             sender = self.hub.sender(job.decode_transfer_address)
             clock.lap("reuse")
             first = self._prefill_and_push(job, seq, cached, sender, is_cancelled, clock)
+            if is_cancelled():  # after the last layer: once the KV is complete, only a Decode call frees it
+                raise Cancelled(f"request {job.placement_id} cancelled before its verdict")
             sender.finish(job.placement_id, self.model.cfg.num_hidden_layers, timeout_s=job.deadline_s)
             clock.lap("verdict")
             self._store_new_blocks(job, seq, len(reuse.in_place))
