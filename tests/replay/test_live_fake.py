@@ -149,7 +149,7 @@ def test_interrupt_cancels_in_flight_and_unsent_requests(hanging):
 
 
 def test_unreachable_endpoint_fails_every_request_none_missing():
-    result = run_live_replay(requests(5), f"127.0.0.1:{free_port()}", max_concurrency=2, timeout_s=5,
+    result = run_live_replay(requests(5), f"127.0.0.1:{free_port()}", max_concurrency=2, timeout_s=2,
                              progress=False)
     assert [r.outcome for r in result.records] == ["failed"] * 5
     assert {r.status for r in result.records} == {"UNAVAILABLE"}
