@@ -111,6 +111,10 @@ class ConductorConfig:
     prefill_timeout_s: float = field(default=60.0, metadata={
         "help": "a prefill attempt unanswered for max(this, 4x the predicted TTFT) is cancelled as stalled "
                 "and retried on another worker (0: only the request's deadline bounds it)"})
+    reservation_renew_s: float = field(default=5.0, metadata={
+        "help": "how often the decode reservations this Conductor holds (from a Reserve to its Decode call) "
+                "are renewed, at most a third of the decode worker's TTL (0: never; each then lives for the "
+                "TTL after its Reserve or its last KV)"})
     decode_stall_timeout_s: float = field(default=30.0, metadata={
         "help": "a decode stream that sends no token for this long (a hung worker) is cancelled and the request "
                 "migrates (0: only the request's deadline bounds it)"})
@@ -157,6 +161,8 @@ class ConductorConfig:
                              f"< worker_ttl_s ({self.worker_ttl_s})")
         if self.max_prefill_attempts < 1:
             raise ValueError(f"max_prefill_attempts {self.max_prefill_attempts} < 1")
+        if self.reservation_renew_s < 0:
+            raise ValueError(f"reservation_renew_s {self.reservation_renew_s} must be >= 0")
         if self.prefill_timeout_s < 0 or self.max_decode_migrations < 0 or self.decode_stall_timeout_s < 0:
             raise ValueError(f"prefill_timeout_s {self.prefill_timeout_s}, decode_stall_timeout_s "
                              f"{self.decode_stall_timeout_s} and max_decode_migrations "

@@ -8,7 +8,9 @@ before the request's deadline is ``STALLED``; so is a decode stream that sends n
 migrates the request). A plan that pulls a prefix carries the Conductor's grant for it. A worker that stops
 heartbeating (dead, or a stopped process) is out of the registry within about a lease, and
 ``workers_lost`` then gives up every call in flight to it as ``STALLED``, so its requests are
-retried or migrated at once rather than after the prefill timeout.
+retried or migrated at once rather than after the prefill timeout. The decode reservations it
+holds, from a Reserve's answer to the Decode call or Release, are renewed (``ReservationLeases``),
+so a decode worker frees them within its TTL of this Conductor's death, and never while it lives.
 """
 
 from __future__ import annotations
@@ -113,6 +115,84 @@ class StallWatch:
             self.check()
 
 
+class ReservationLeases:
+    """Keeps the decode reservations this Conductor holds alive: one daemon thread renews each
+    worker's held ids in one ``renew(worker, ids)`` call every ``interval_s``, or a third of
+    the shortest TTL a worker answered with if that is sooner. A reservation is held from
+    ``hold`` until ``drop`` (its Decode call, or Release), until the worker says it holds
+    nothing for it, or until ``until_s`` (the request's deadline: a request that never
+    dropped it cannot keep it past that). A Conductor that dies renews nothing, so what it
+    reserved is freed within one TTL. ``interval_s`` 0: nothing is held or renewed.
+    ``background`` False: no thread, the caller renews (``renew_now``). Thread-safe."""
+
+    def __init__(self, renew: Callable[[str, list[str]], list[str]], interval_s: float,
+                 clock: Callable[[], float] = time.monotonic, background: bool = True):
+        self.interval_s, self._renew, self._clock, self._background = interval_s, renew, clock, background
+        self._held: dict[str, dict[str, float]] = {}  # worker -> request id -> held until (monotonic)
+        self._ttl_s = math.inf  # the shortest TTL a worker answered with
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._failing: set[str] = set()  # workers whose last renewal failed (logged once until it works)
+
+    def hold(self, worker_id: str, request_id: str, ttl_s: float, for_s: float) -> None:
+        if self.interval_s <= 0:
+            return
+        with self._lock:
+            self._held.setdefault(worker_id, {})[request_id] = self._clock() + for_s
+            if ttl_s > 0:
+                self._ttl_s = min(self._ttl_s, ttl_s)
+            if self._thread is None and self._background:
+                self._thread = threading.Thread(target=self._run, name="reservation-leases", daemon=True)
+                self._thread.start()
+
+    def drop(self, worker_id: str, request_id: str) -> None:
+        with self._lock:
+            held = self._held.get(worker_id)
+            if held is not None:
+                held.pop(request_id, None)
+                if not held:
+                    del self._held[worker_id]
+
+    def held(self) -> dict[str, list[str]]:
+        """Worker -> the ids held there now."""
+        with self._lock:
+            return {w: list(ids) for w, ids in self._held.items()}
+
+    def renew_now(self) -> None:
+        """One pass: forget what outlived its request, renew the rest, one call per worker."""
+        now = self._clock()
+        with self._lock:
+            for worker_id in list(self._held):
+                ids = self._held[worker_id]
+                for rid in [rid for rid, until in ids.items() if until <= now]:
+                    del ids[rid]
+                if not ids:
+                    del self._held[worker_id]
+            batches = {w: list(ids) for w, ids in self._held.items()}
+        for worker_id, ids in batches.items():
+            try:
+                unknown = self._renew(worker_id, ids)
+            except Exception as e:  # a worker down or gone: its reservations expire there anyway
+                if worker_id not in self._failing:
+                    self._failing.add(worker_id)
+                    log.warning("renewing %d reservations on %s failed: %s", len(ids), worker_id, e)
+                continue
+            self._failing.discard(worker_id)
+            for rid in unknown:
+                self.drop(worker_id, rid)
+
+    def period_s(self) -> float:
+        """Seconds between passes; also each renewal call's bound, so a hung worker delays the
+        next worker's renewal by at most one period (two periods apart: under the TTL)."""
+        with self._lock:
+            return max(0.05, min(self.interval_s, self._ttl_s / 3))
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.period_s())
+            self.renew_now()
+
+
 class InFlight:
     """The calls in flight per worker, so that a lost worker's can be given up at once."""
 
@@ -150,10 +230,12 @@ class InFlight:
 class GrpcDispatcher:
     """``decode_stall_s``: a decode stream silent this long is cancelled as STALLED (inf: never)."""
 
-    def __init__(self, cluster: Cluster, decode_stall_s: float = math.inf):
+    def __init__(self, cluster: Cluster, decode_stall_s: float = math.inf, renew_s: float = 0.0):
+        """``renew_s``: how often the reservations held are renewed (0: never; ``ReservationLeases``)."""
         self.cluster = cluster
         self._stalls = StallWatch(decode_stall_s) if math.isfinite(decode_stall_s) else None
         self._in_flight = InFlight()
+        self.leases = ReservationLeases(self._renew, renew_s)
 
     def workers_lost(self, worker_ids: Sequence[str]) -> None:
         """The registry dropped ``worker_ids`` (their leases ran out): give up their calls."""
@@ -170,11 +252,21 @@ class GrpcDispatcher:
                 deadline_s: float) -> str:
         stub = self._endpoint(decode_worker).decode
         try:
-            return stub.Reserve(ipb.ReserveRequest(request_id=request_id, prompt_tokens=num_prompt_tokens,
+            resp = stub.Reserve(ipb.ReserveRequest(request_id=request_id, prompt_tokens=num_prompt_tokens,
                                                    max_tokens=max_tokens, deadline_s=deadline_s),
-                                timeout=deadline_s).transfer_address
+                                timeout=deadline_s)
         except grpc.RpcError as e:
             raise _error(decode_worker, e, "decode reservation") from e
+        self.leases.hold(decode_worker, request_id, resp.ttl_s, deadline_s)
+        return resp.transfer_address
+
+    def _renew(self, decode_worker: str, request_ids: list[str]) -> list[str]:
+        try:
+            stub = self.cluster.endpoint(decode_worker).decode
+        except KeyError:  # it left the registry: what it held went with it
+            return request_ids
+        resp = stub.Renew(ipb.RenewRequest(request_ids=request_ids), timeout=self.leases.period_s())
+        return list(resp.unknown_ids)
 
     def prefill(self, prefill_worker: str, call: PrefillCall, on_cancel: CancelHook) -> PrefillResult:
         request = prefill_call_to_proto(self._with_grant(prefill_worker, call))
@@ -212,6 +304,7 @@ class GrpcDispatcher:
 
     def decode(self, decode_worker: str, request_id: str, first_token: int, sampling: SamplingParams,
                num_prompt_tokens: int, deadline_s: float, on_cancel: CancelHook) -> Iterator[DecodeChunk]:
+        self.leases.drop(decode_worker, request_id)  # the worker takes the reservation into its batch
         stub = self._endpoint(decode_worker).decode
         stream = stub.Decode(ipb.DecodeRequest(request_id=request_id, first_token=first_token,
                                                sampling=sampling_to_proto(sampling),
@@ -242,6 +335,7 @@ class GrpcDispatcher:
                 self._in_flight.done(decode_worker, tracked)
 
     def release(self, decode_worker: str, request_id: str) -> None:
+        self.leases.drop(decode_worker, request_id)
         try:
             self.cluster.endpoint(decode_worker).decode.Release(ipb.ReleaseRequest(request_id=request_id), timeout=5)
         except (grpc.RpcError, KeyError) as e:

@@ -318,7 +318,7 @@ class Conductor(ServiceBase):
         self._closing.callback(shared.log.close)
         metrics = ConductorMetrics.for_config(config)
         admission = Admission(config.admission)
-        dispatcher = GrpcDispatcher(cluster, config.decode_stall_timeout_s or math.inf)
+        dispatcher = GrpcDispatcher(cluster, config.decode_stall_timeout_s or math.inf, config.reservation_renew_s)
         live = LiveRequests(derive(member.secret, "request-ids"), shared.log.replica_id, core.replicas)
         inference = InferenceService(config, core, dispatcher, admission, metrics, api_keys,
                                      live)

@@ -13,9 +13,10 @@ class DecodeConfig(WorkerConfig):
     num_slots: int = field(default=64, metadata={"help": "KDA state slots: most requests held at once"})
     max_batch: int = field(default=32, metadata={"help": "most requests in one decode step"})
     transfer_deadline_s: float = field(default=60.0, metadata={"help": "longest wait for a request's KV"})
-    reservation_ttl_s: float = field(default=120.0, metadata={
+    reservation_ttl_s: float = field(default=30.0, metadata={
         "help": "a reservation whose Decode call never comes (its Conductor died) is freed after this long "
-                "without its KV arriving; one whose KV transfer failed (the prefill worker's ABORT) at once"})
+                "without its Conductor renewing it or its KV arriving; one whose KV transfer failed (the "
+                "prefill worker's ABORT) at once"})
 
     def __post_init__(self) -> None:
         super().__post_init__()

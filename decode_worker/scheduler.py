@@ -13,8 +13,9 @@ written by the transfer receiver's thread into pages that no step touches until 
 is running.
 
 A reservation whose ``Decode`` call never comes (its Conductor died) expires
-``reservation_ttl_s`` after its last sign of life: the reservation, or its KV still arriving
-(``ReservationTransfers.receiving``). One whose transfer failed
+``reservation_ttl_s`` after its last sign of life: the reservation, its Conductor's ``renew``
+(a live Conductor renews what it holds, ``conductor.grpc_dispatch.ReservationLeases``), or its
+KV still arriving (``ReservationTransfers.receiving``). One whose transfer failed
 (``ReservationTransfers.failure``: the prefill worker's ABORT, which a prefill whose Conductor
 left sends, or its connection's loss) is freed at the next check, within ``EXPIRY_CHECK_S``.
 Its pages are freed only once the receiver has forgotten it (``ReservationTransfers.cancel``,
@@ -125,7 +126,7 @@ class ReservationTransfers(Protocol):
 
 class DecodeScheduler:
     def __init__(self, model: HybridModel, num_pages: int, num_slots: int, block_size: int,
-                 max_batch: int = 32, reservation_ttl_s: float = 120.0, metrics: DecodeMetrics | None = None,
+                 max_batch: int = 32, reservation_ttl_s: float = 30.0, metrics: DecodeMetrics | None = None,
                  transfers: ReservationTransfers | None = None):
         """``transfers``: the receiver writing the reservations' KV (None: nothing does, as in
         unit tests; an expired reservation's pages are then freed at once)."""
@@ -163,6 +164,22 @@ class DecodeScheduler:
             if seq is not None:
                 self._reserved[request_id] = _Reserved(seq, time.monotonic() + self.reservation_ttl_s)
             return seq
+
+    def renew(self, request_ids: list[str]) -> list[str]:
+        """Each reservation among ``request_ids`` lives another ``reservation_ttl_s`` (its
+        Conductor is alive and still holds it); returns the ids this worker holds nothing
+        for (expired, released, never reserved). A request already decoding is not unknown."""
+        now = time.monotonic()
+        unknown = []
+        with self._lock:
+            waiting = {run.seq.request_id for run in self._waiting}
+            for rid in request_ids:
+                res = self._reserved.get(rid)
+                if res is not None:
+                    res.expires_at = max(res.expires_at, now + self.reservation_ttl_s)
+                elif rid not in self._running and rid not in waiting:
+                    unknown.append(rid)
+        return unknown
 
     def start_decoding(self, request_id: str, num_prompt_tokens: int, first_token: int,
                        params: SamplingParams) -> TokenQueue:

@@ -2,9 +2,10 @@
 service (``build(config)``, see ``runtime.service``) and as a process (``serve``).
 
 Reserve -> (KV arrives through the transfer receiver) -> Decode (stream) -> done/Release.
-A reservation whose Decode call never comes expires; a Decode stream whose client goes away
+The Conductor renews the reservations it holds until their Decode call (``Renew``); one whose
+Decode call never comes (its Conductor died) expires; a Decode stream whose client goes away
 is cancelled and its cache freed. Only the Conductor this worker registered with may call
-Reserve, Decode and Release (``NEEDS``, ``runtime.auth``); any member may read Stats.
+Reserve, Decode, Release and Renew (``NEEDS``, ``runtime.auth``); any member may read Stats.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from runtime.settings import parse_config, setup_torch
 log = logging.getLogger(__name__)
 
 NEEDS = {"/tidekv.v1.Decode/Reserve": Need.SESSION, "/tidekv.v1.Decode/Decode": Need.SESSION,
-         "/tidekv.v1.Decode/Release": Need.SESSION, "/tidekv.v1.Decode/Stats": Need.MEMBER}
+         "/tidekv.v1.Decode/Release": Need.SESSION, "/tidekv.v1.Decode/Renew": Need.SESSION,
+         "/tidekv.v1.Decode/Stats": Need.MEMBER}
+MAX_RENEW_IDS = 65536  # ids in one Renew (a Conductor sends those it holds on this worker)
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
           "cancelled": pb.FINISH_REASON_CANCELLED, "failed": pb.FINISH_REASON_FAILED}
 
@@ -60,7 +63,7 @@ class DecodeService(igrpc.DecodeServicer):
         deadline = request.deadline_s or self.transfer_deadline_s
         self.receiver.expect(request.request_id, sink_for(self.scheduler.cache, seq),
                              expected_for(self.scheduler.cache, request.prompt_tokens), deadline)
-        return ipb.ReserveResponse(transfer_address=self.receiver.address)
+        return ipb.ReserveResponse(transfer_address=self.receiver.address, ttl_s=self.scheduler.reservation_ttl_s)
 
     def Decode(self, request: ipb.DecodeRequest, context: grpc.ServicerContext):
         rid = request.request_id
@@ -92,6 +95,12 @@ class DecodeService(igrpc.DecodeServicer):
     def Release(self, request: ipb.ReleaseRequest, context: grpc.ServicerContext) -> ipb.ReleaseResponse:
         self.receiver.cancel(request.request_id)
         return ipb.ReleaseResponse(released=self.scheduler.release(request.request_id))
+
+    def Renew(self, request: ipb.RenewRequest, context: grpc.ServicerContext) -> ipb.RenewResponse:
+        if len(request.request_ids) > MAX_RENEW_IDS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"request_ids: {len(request.request_ids)} ids, at most {MAX_RENEW_IDS} per call")
+        return ipb.RenewResponse(unknown_ids=self.scheduler.renew(list(request.request_ids)))
 
     def Stats(self, request: ipb.StatsRequest, context: grpc.ServicerContext) -> ipb.WorkerStats:
         load = self.scheduler.load()

@@ -374,3 +374,22 @@ def test_a_senders_abort_through_the_real_receiver_frees_the_reservation(tiny):
             sender.close()
         sched.stop()
         receiver.close()
+
+
+def test_a_renewed_reservation_outlives_its_ttl_and_unknown_ids_are_named(tiny, monkeypatch):
+    import decode_worker.scheduler as scheduler_module
+
+    now = [1000.0]
+    monkeypatch.setattr(scheduler_module.time, "monotonic", lambda: now[0])
+    sched = DecodeScheduler(tiny, 8, 2, BLOCK, reservation_ttl_s=10.0)  # its loop not started: checks by hand
+    assert sched.try_reserve("held", 2 * BLOCK) is not None
+    assert sched.try_reserve("dropped", 2 * BLOCK) is not None
+    for _ in range(3):  # three TTLs, renewed every 6 s: its Conductor is alive
+        now[0] += 6.0
+        assert sched.renew(["held", "gone", "never"]) == ["gone", "never"]
+        now[0] += 6.0
+        with sched._lock:
+            sched._expire_reservations()
+    assert set(sched.load().request_ids) == {"held"}  # the one not renewed expired after 10 s
+    sched.start_decoding("held", 2 * BLOCK, 3, SamplingParams(max_new_tokens=2))
+    assert sched.renew(["held"]) == []  # decoding: not unknown

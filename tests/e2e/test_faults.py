@@ -252,13 +252,14 @@ def test_a_hung_decode_worker_is_left_mid_stream(reference):
 
 
 def test_a_reservation_expired_while_its_prefill_was_stopped_is_retried_token_exact(reference):
-    """A decode reservation with a 1 s TTL whose prefill worker is SIGSTOPped: it expires (the
-    decode worker frees its pages once its receiver has forgotten it); when the worker runs
-    again, its KV finds no destination, that placement fails, and the retry completes the
-    request token-exact (before, its KV landed in the freed pages and its Decode call found no
-    reservation: the request failed after its first token). Nothing is left held."""
+    """A decode reservation with a 1 s TTL, not renewed, whose prefill worker is SIGSTOPped: it
+    expires (the decode worker frees its pages once its receiver has forgotten it); when the
+    worker runs again, its KV finds no destination, that placement fails, and the retry
+    completes the request token-exact (before, its KV landed in the freed pages and its Decode
+    call found no reservation: the request failed after its first token). Nothing is left held."""
     config = ClusterConfig(num_prefill=1, num_decode=1, policy="round_robin", prefill_args=WORKER_ARGS,
-                           decode_args=(*DECODE_ARGS, "--reservation-ttl-s", "1"))
+                           decode_args=(*DECODE_ARGS, "--reservation-ttl-s", "1"),
+                           conductor_args=("--reservation-renew-s", "0"))
     with LocalCluster(config) as cluster:
         stopped = cluster.procs["prefill-0"]
         stopped.send_signal(signal.SIGSTOP)
@@ -291,14 +292,54 @@ def test_a_reservation_expired_while_its_prefill_was_stopped_is_retried_token_ex
         assert all(s.num_live_requests == 0 and s.num_free_pages == s.num_pages_total for s in stats.values())
 
 
+def test_a_live_conductor_renews_a_reservation_past_its_ttl(reference):
+    """The same stopped prefill worker under the default renewal: the reservation (0.4 s TTL)
+    outlives the 1.5 s stop, several TTLs, because its live Conductor renews it; nothing
+    expires, nothing is retried, and the request completes token-exact."""
+    config = ClusterConfig(num_prefill=1, num_decode=1, policy="round_robin", prefill_args=WORKER_ARGS,
+                           decode_args=(*DECODE_ARGS, "--reservation-ttl-s", "0.4"))
+    with LocalCluster(config) as cluster:
+        decode_metrics = next(w.metrics_address for w in cluster.workers().workers if w.worker_id == "decode-0")
+        stopped = cluster.procs["prefill-0"]
+        stopped.send_signal(signal.SIGSTOP)
+        p = prompt(200, 1750)
+        client = Client(cluster.endpoint)
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(client.generate, Client.request(p, max_tokens=8))
+                try:
+                    until = time.monotonic() + 60
+                    while True:
+                        held = worker_stats(cluster, only="decode-0")["decode-0"]
+                        if held.num_free_pages < held.num_pages_total:
+                            break
+                        assert time.monotonic() < until, "the request never reserved decode pages"
+                        time.sleep(0.05)
+                    # Under the worker's 3 s heartbeat TTL, so the Conductor does not give it up.
+                    time.sleep(1.5)
+                    held = worker_stats(cluster, only="decode-0")["decode-0"]
+                    assert held.num_free_pages < held.num_pages_total, "the renewed reservation expired"
+                finally:
+                    stopped.send_signal(signal.SIGCONT)
+                c = pending.result(timeout=120)
+        finally:
+            client.close()
+        assert _conductor_counter(cluster, "prefill_retries") == {}
+        assert (c.finish_reason, c.num_terminal) == ("length", 1), c
+        assert c.token_ids == engine.generate(reference, p, 8)
+        freed = {dict(labels)["reason"]: value for metric, labels, value in scrape(decode_metrics, timeout_s=10)
+                 if metric == "tidekv:decode_reservations_freed_total"}
+        assert freed == {"expired": 0.0, "transfer_failed": 0.0}
+
+
 def test_a_dead_conductors_reservations_are_freed_by_the_prefill_workers_abort(reference):
     """The Conductor SIGKILLed while its requests are at the prefill worker (one prefilling,
     the rest queued) releases nothing; the prefill worker sees each call end, ABORTs each
     placement (the queued ones without doing their work) and the decode worker frees every
     reservation within seconds, not at its TTL (600 s here)."""
+    num, prompt_tokens = 4, 6000
     config = ClusterConfig(num_prefill=1, num_decode=1, policy="round_robin", prefill_args=WORKER_ARGS,
-                           decode_args=(*DECODE_ARGS, "--reservation-ttl-s", "600"))
-    num = 4
+                           decode_args=(*DECODE_ARGS, "--num-pages", "2048", "--reservation-ttl-s", "600"))
     with LocalCluster(config) as cluster:
         stubs, channels = {}, []  # asked directly: the Conductor, which lists the workers, is killed
         workers = cluster.workers().workers
@@ -313,9 +354,9 @@ def test_a_dead_conductors_reservations_are_freed_by_the_prefill_workers_abort(r
             return {w: stub.Stats(ipb.StatsRequest(), timeout=5) for w, stub in stubs.items()}
 
         client = Client(cluster.endpoint)
-        # About a second of prefill each on the tiny model: all four are reserved on the
-        # decode worker long before the first prefill ends, so none is decoding at the kill.
-        calls = [client.stub.Generate(Client.request(prompt(3000, 1800 + i), max_tokens=8), timeout=120)
+        # Seconds of prefill each on the tiny model: all four are reserved on the decode
+        # worker long before the first prefill ends, so none is decoding at the kill.
+        calls = [client.stub.Generate(Client.request(prompt(prompt_tokens, 1800 + i), max_tokens=8), timeout=120)
                  for i in range(num)]
         try:
             until = time.monotonic() + 60

@@ -31,12 +31,12 @@ DEADLINE_S = 240.0  # a guard against hangs
 
 @pytest.fixture(scope="module")
 def replicas():
-    # A killed replica's reservations are freed by the prefill worker's ABORT; only one killed
-    # between a Reserve and its Prefill call (or the prefill's answer and Decode) waits for the
-    # TTL. The TTL also bounds a live placement's prefill queue (reserve to the first KV): 10 s
-    # expired some on a host at load 9 (two benchmarks beside this suite).
+    # A killed replica's reservations are freed by the prefill worker's ABORT; one killed
+    # between a Reserve and its Prefill call (or the prefill's answer and Decode) goes after the
+    # TTL, as the replica renews nothing any more. Live replicas renew theirs, so a short TTL
+    # does not cut a placement's prefill queue short on a loaded host.
     config = ClusterConfig(num_prefill=2, num_decode=2, num_conductors=3, policy="round_robin",
-                           prefill_args=WORKER_ARGS, decode_args=(*DECODE_ARGS, "--reservation-ttl-s", "30"),
+                           prefill_args=WORKER_ARGS, decode_args=(*DECODE_ARGS, "--reservation-ttl-s", "10"),
                            supervise=True, http_port=0,
                            conductor_args=("--decode-stall-timeout-s", "10"))
     with LocalCluster(config) as cluster:
