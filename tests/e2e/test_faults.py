@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import engine
-from conductor.client import Client
+from conductor.client import Client, Completion
 from deploy.local import ClusterConfig, LocalCluster
 from observe.top import scrape
 from proto import inference_pb2 as pb
@@ -251,6 +251,38 @@ def test_a_hung_decode_worker_is_left_mid_stream(reference):
             client.close()
 
 
+def _with_prefill_stopped(cluster, ids: list[int], while_stopped) -> Completion:
+    """Sends ``ids`` (8 tokens) with prefill-0 SIGSTOPped; once the decode worker holds its
+    reservation, calls ``while_stopped(held)`` (the decode worker's stats then), resumes the
+    prefill worker whatever happened, and returns the completion."""
+    stopped = cluster.procs["prefill-0"]
+    stopped.send_signal(signal.SIGSTOP)
+    client = Client(cluster.endpoint)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(client.generate, Client.request(ids, max_tokens=8))
+            try:
+                until = time.monotonic() + 60
+                while True:
+                    held = worker_stats(cluster, only="decode-0")["decode-0"]
+                    if held.num_free_pages < held.num_pages_total:
+                        break
+                    assert time.monotonic() < until, "the request never reserved decode pages"
+                    time.sleep(0.05)
+                while_stopped(held)
+            finally:
+                stopped.send_signal(signal.SIGCONT)
+            return pending.result(timeout=120)
+    finally:
+        client.close()
+
+
+def _reservations_freed(metrics_address: str) -> dict[str, float]:
+    """The decode worker's ``decode_reservations_freed_total`` by reason."""
+    return {dict(labels)["reason"]: value for metric, labels, value in scrape(metrics_address, timeout_s=10)
+            if metric == "tidekv:decode_reservations_freed_total"}
+
+
 def test_a_reservation_expired_while_its_prefill_was_stopped_is_retried_token_exact(reference):
     """A decode reservation with a 1 s TTL, not renewed, whose prefill worker is SIGSTOPped: it
     expires (the decode worker frees its pages once its receiver has forgotten it); when the
@@ -261,29 +293,14 @@ def test_a_reservation_expired_while_its_prefill_was_stopped_is_retried_token_ex
                            decode_args=(*DECODE_ARGS, "--reservation-ttl-s", "1"),
                            conductor_args=("--reservation-renew-s", "0"))
     with LocalCluster(config) as cluster:
-        stopped = cluster.procs["prefill-0"]
-        stopped.send_signal(signal.SIGSTOP)
+        def expired(held) -> None:
+            until = time.monotonic() + 60
+            while worker_stats(cluster, only="decode-0")["decode-0"].num_free_pages < held.num_pages_total:
+                assert time.monotonic() < until, "the reservation never expired"
+                time.sleep(0.05)
+
         p = prompt(200, 1700)
-        client = Client(cluster.endpoint)
-        try:
-            with ThreadPoolExecutor(1) as pool:
-                pending = pool.submit(client.generate, Client.request(p, max_tokens=8))
-                try:
-                    until = time.monotonic() + 60
-                    while True:  # reserved (pages held), then expired (all free again)
-                        held = worker_stats(cluster, only="decode-0")["decode-0"]
-                        if held.num_free_pages < held.num_pages_total:
-                            break
-                        assert time.monotonic() < until, "the request never reserved decode pages"
-                        time.sleep(0.05)
-                    while worker_stats(cluster, only="decode-0")["decode-0"].num_free_pages < held.num_pages_total:
-                        assert time.monotonic() < until, "the reservation never expired"
-                        time.sleep(0.05)
-                finally:
-                    stopped.send_signal(signal.SIGCONT)
-                c = pending.result(timeout=120)
-        finally:
-            client.close()
+        c = _with_prefill_stopped(cluster, p, expired)
         # Its first placement failed at the KV push (no destination), before any token: retried.
         assert _conductor_counter(cluster, "prefill_retries") == {"transfer": 1.0}
         assert (c.finish_reason, c.num_terminal) == ("length", 1), c
@@ -300,36 +317,18 @@ def test_a_live_conductor_renews_a_reservation_past_its_ttl(reference):
                            decode_args=(*DECODE_ARGS, "--reservation-ttl-s", "0.4"))
     with LocalCluster(config) as cluster:
         decode_metrics = next(w.metrics_address for w in cluster.workers().workers if w.worker_id == "decode-0")
-        stopped = cluster.procs["prefill-0"]
-        stopped.send_signal(signal.SIGSTOP)
+
+        def still_held(_) -> None:
+            time.sleep(1.5)  # under the worker's 3 s heartbeat TTL, so the Conductor does not give it up
+            held = worker_stats(cluster, only="decode-0")["decode-0"]
+            assert held.num_free_pages < held.num_pages_total, "the renewed reservation expired"
+
         p = prompt(200, 1750)
-        client = Client(cluster.endpoint)
-        try:
-            with ThreadPoolExecutor(1) as pool:
-                pending = pool.submit(client.generate, Client.request(p, max_tokens=8))
-                try:
-                    until = time.monotonic() + 60
-                    while True:
-                        held = worker_stats(cluster, only="decode-0")["decode-0"]
-                        if held.num_free_pages < held.num_pages_total:
-                            break
-                        assert time.monotonic() < until, "the request never reserved decode pages"
-                        time.sleep(0.05)
-                    # Under the worker's 3 s heartbeat TTL, so the Conductor does not give it up.
-                    time.sleep(1.5)
-                    held = worker_stats(cluster, only="decode-0")["decode-0"]
-                    assert held.num_free_pages < held.num_pages_total, "the renewed reservation expired"
-                finally:
-                    stopped.send_signal(signal.SIGCONT)
-                c = pending.result(timeout=120)
-        finally:
-            client.close()
+        c = _with_prefill_stopped(cluster, p, still_held)
         assert _conductor_counter(cluster, "prefill_retries") == {}
         assert (c.finish_reason, c.num_terminal) == ("length", 1), c
         assert c.token_ids == engine.generate(reference, p, 8)
-        freed = {dict(labels)["reason"]: value for metric, labels, value in scrape(decode_metrics, timeout_s=10)
-                 if metric == "tidekv:decode_reservations_freed_total"}
-        assert freed == {"expired": 0.0, "transfer_failed": 0.0}
+        assert _reservations_freed(decode_metrics) == {"expired": 0.0, "transfer_failed": 0.0}
 
 
 def test_a_dead_conductors_reservations_are_freed_by_the_prefill_workers_abort(reference):
@@ -381,9 +380,7 @@ def test_a_dead_conductors_reservations_are_freed_by_the_prefill_workers_abort(r
             client.close()
             for ch in channels:
                 ch.close()
-        freed = {dict(labels)["reason"]: value for metric, labels, value in scrape(decode_metrics, timeout_s=10)
-                 if metric == "tidekv:decode_reservations_freed_total"}
-        assert freed == {"expired": 0.0, "transfer_failed": float(num)}
+        assert _reservations_freed(decode_metrics) == {"expired": 0.0, "transfer_failed": float(num)}
         log = (cluster.log_dir / "decode-0.log").read_text()
         # The one prefilling stopped at its next layer; the queued ones did none of their work.
         assert log.count("cancelled during prefill") == 1 and log.count("cancelled while queued") == num - 1, \
