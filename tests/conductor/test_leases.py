@@ -1,11 +1,15 @@
 """``conductor.grpc_dispatch.ReservationLeases``: what a live Conductor renews on each decode
 worker, and when it stops (the Decode call or Release, the worker not knowing the id, the
-request's deadline). No thread here: each ``renew_now`` is one pass, as the thread makes."""
+request's deadline), and that ``GrpcDispatcher`` holds from a Reserve to its Decode call or
+Release. Each ``renew_now`` is one pass, as the renewal thread makes."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from conductor.clock import ManualClock
-from conductor.grpc_dispatch import ReservationLeases
+from conductor.grpc_dispatch import GrpcDispatcher, ReservationLeases
+from engine.sampling_params import SamplingParams
 
 
 class Workers:
@@ -75,3 +79,44 @@ def test_an_interval_of_zero_holds_nothing() -> None:
     leases.hold("d0", "a", ttl_s=30.0, for_s=60.0)
     leases.renew_now()
     assert leases.held() == {} and workers.calls == [] and leases._thread is None
+
+
+class DecodeStub:
+    """A decode worker's stub as ``GrpcDispatcher`` calls it: Reserve answers a 9 s TTL."""
+
+    def __init__(self) -> None:
+        self.renewed: list[list[str]] = []
+
+    def Reserve(self, request, timeout):
+        return SimpleNamespace(transfer_address="tcp://d0", ttl_s=9.0)
+
+    def Renew(self, request, timeout):
+        self.renewed.append(list(request.request_ids))
+        return SimpleNamespace(unknown_ids=[])
+
+    def Decode(self, request, timeout):
+        return Stream()
+
+    def Release(self, request, timeout):
+        return SimpleNamespace(released=True)
+
+
+class Stream(list):
+    def cancel(self) -> None:
+        pass
+
+
+def test_the_dispatcher_holds_a_reservation_from_its_reserve_to_its_decode_call_or_release() -> None:
+    stub = DecodeStub()
+    cluster = SimpleNamespace(endpoint=lambda worker_id: SimpleNamespace(decode=stub))
+    dispatcher = GrpcDispatcher(cluster, renew_s=60.0)  # its thread waits 3 s (a third of the TTL) first
+    dispatcher.reserve("d0", "decoded", 16, 4, 30.0)
+    dispatcher.reserve("d0", "released", 16, 4, 30.0)
+    assert sorted(dispatcher.leases.held()["d0"]) == ["decoded", "released"]
+    assert dispatcher.leases.period_s() == 3.0
+    dispatcher.leases.renew_now()
+    assert [sorted(ids) for ids in stub.renewed] == [["decoded", "released"]]
+    assert list(dispatcher.decode("d0", "decoded", 7, SamplingParams(max_new_tokens=4), 16, 30.0,
+                                  lambda hook: None)) == []
+    dispatcher.release("d0", "released")
+    assert dispatcher.leases.held() == {}
