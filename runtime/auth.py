@@ -14,7 +14,7 @@ The key is what the call must prove (``Need``):
 - ``SESSION``: ``session_key(S, worker_id, instance_id)``, known only to the Conductor and to
   the one worker *instance* that registered with that secret ``instance_id`` (a random value
   each process draws at start and sends only in ``Register``). A worker's heartbeats and the
-  Conductor's calls to a worker (Prefill, Reserve, Decode, Release) use it, so no other
+  Conductor's calls to a worker (Prefill, Reserve, Renew, Decode, Release) use it, so no other
   process, member or not, can take a worker's place or drive a worker.
 - ``OPEN``: nothing (health, reflection, and the public ``Generate``, which checks API keys
   itself: ``runtime.apikeys``).
