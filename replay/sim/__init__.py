@@ -22,5 +22,5 @@ What is real here and what is modelled:
 simulated run next to a live one. Modules: ``events`` (the clock and queue), ``prefill``,
 ``decode`` (the modelled workers), ``cluster`` (the registry the core reads), ``keys``
 (block keys from a trace's hash ids), ``run`` (requests through their lifecycle), ``fit``
-(overheads from live records), ``cli``.
+(overheads from live records), ``sweep`` (shapes side by side, a process each), ``cli``.
 """

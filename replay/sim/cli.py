@@ -6,13 +6,13 @@ trace, selection and scaling flags are the live replay's (``replay.cli.add_trace
 a simulated run and a live one of the same window are made from the same transform. A run
 streams its records into the report directory as they are made (``ReportWriter``), so its
 memory does not grow with the trace (``--tile N``: N back-to-back copies of the selection);
-only the plots read them all back.
+only the plots read them all back. A sweep's shapes run ``--jobs`` at a time, each in a
+process of its own (``replay.sim.sweep``).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import time
@@ -25,8 +25,7 @@ from decode_worker.config import DecodeConfig
 from prefill_worker.config import PrefillConfig
 from replay.cli import add_trace_args, summary_text, transform_from_args
 from replay.sim.run import SimConfig, SimResult, simulate
-
-SWEEP_KEYS = ("prefill", "decode", "policy")
+from replay.sim.sweep import SWEEP_KEYS, default_jobs, parse_sweep, print_rows, run_sweep
 
 
 def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
@@ -59,6 +58,9 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"simulate every combination of {', '.join(SWEEP_KEYS)} and print the cheapest that "
                         "meets the SLOs")
     p.add_argument("--min-attainment", type=float, default=0.9, help="sweep: SLO attainment a config must reach")
+    p.add_argument("--jobs", type=int, default=0, metavar="N",
+                   help="sweep: shapes simulated at once, each in a process of its own (default: the CPUs this "
+                        "process may use; 1: one after another in this process)")
     p.add_argument("--tile", type=int, default=1, metavar="N",
                    help="simulate N back-to-back copies of the selection, each with its own hash ids "
                         "(replay.transform.TiledTrace; made as they are read)")
@@ -77,8 +79,10 @@ def _costs(args: argparse.Namespace) -> CostModels:
     return tiny_cpu_estimate()
 
 
-def sim_config(args: argparse.Namespace, **override) -> SimConfig:
-    v = {**vars(args), **override}  # the requests carry the SLOs (the transform's --ttft-slo-s, --tbt-slo-s)
+def sim_config(args: argparse.Namespace | dict, **override) -> SimConfig:
+    """The run's configuration from the flags (``args``, or their ``vars``), with ``override``
+    (a sweep's shape) applied. The SLOs are the requests' (the transform's --ttft-slo-s, --tbt-slo-s)."""
+    v = {**(args if isinstance(args, dict) else vars(args)), **override}
     conductor = ConductorConfig(policy=v["policy"], admission_mode=v["admission_mode"],
                                 pull_from_peers=not v["no_pull"], max_running=v["max_running"],
                                 max_queued=v["max_queued"])
@@ -88,51 +92,6 @@ def sim_config(args: argparse.Namespace, **override) -> SimConfig:
     decode = DecodeConfig(num_pages=v["decode_pages"], num_slots=v["decode_slots"], max_batch=v["max_batch"])
     overheads = ClusterOverheads.load(v["overheads"]) if v.get("overheads") else ClusterOverheads()
     return SimConfig(int(v["prefill"]), int(v["decode"]), conductor, prefill, decode, overheads=overheads)
-
-
-def parse_sweep(items: list[str]) -> dict[str, list[str]]:
-    """``["prefill=2,4", "policy=mooncake"]`` -> ``{"prefill": ["2", "4"], "policy": ["mooncake"]}``."""
-    out: dict[str, list[str]] = {}
-    for item in items:
-        key, sep, values = item.partition("=")
-        if not sep or key not in SWEEP_KEYS or not values:
-            raise ValueError(f"--sweep {item!r}: expected KEY=V1,V2 with KEY one of {', '.join(SWEEP_KEYS)}")
-        out[key] = [x for x in values.split(",") if x]
-    return out
-
-
-def _row(shape: dict, result: SimResult) -> dict:
-    s = result.summary
-    return {**shape, "attainment": s.slo.attainment, "goodput_rps": s.slo.goodput_rps, "ttft_p50_s": s.ttft_s.p50,
-            "ttft_p90_s": s.ttft_s.p90, "tbt_p90_s": s.tbt_s.p90, "rejected": s.counts.rejected,
-            "cached_ratio": s.cache.ratio, "wall_s": result.stats["wall_s"]}
-
-
-def run_sweep(args: argparse.Namespace, scaled, costs: CostModels) -> tuple[list[dict], dict | None]:
-    grid = parse_sweep(args.sweep)
-    if not any(r.ttft_slo_s is not None or r.tbt_slo_s is not None for r in scaled.requests):
-        raise ValueError("--sweep ranks shapes by SLO attainment, and no request has an SLO: "
-                         "give --ttft-slo-s and/or --tbt-slo-s")
-    keys = list(grid)
-    rows = []
-    combos = list(itertools.product(*(grid[k] for k in keys)))
-    for i, values in enumerate(combos, start=1):
-        shape = dict(zip(keys, values, strict=True))
-        result = simulate(scaled, sim_config(args, **shape), costs)
-        rows.append(_row({k: shape.get(k, getattr(args, k)) for k in SWEEP_KEYS}, result))
-        print(f"\rsweep {i}/{len(combos)}: {shape} attainment {rows[-1]['attainment']:.3f}", end="", file=sys.stderr)
-    print(file=sys.stderr)
-    meeting = [r for r in rows if r["attainment"] >= args.min_attainment]
-    best = min(meeting, key=lambda r: (int(r["prefill"]) + int(r["decode"]), -r["attainment"]), default=None)
-    return rows, best
-
-
-def _print_rows(rows: list[dict]) -> None:
-    cols = [*SWEEP_KEYS, "attainment", "goodput_rps", "ttft_p50_s", "ttft_p90_s", "tbt_p90_s", "rejected",
-            "cached_ratio"]
-    print(" | ".join(cols))
-    for r in rows:
-        print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols))
 
 
 def _write_run(out: Path, scaled, config: SimConfig, costs: CostModels, plots: bool) -> SimResult:
@@ -170,8 +129,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     costs = _costs(args)
     out = Path(args.out or time.strftime("simulate-%Y%m%d-%H%M%S"))
     if args.sweep is not None:
-        rows, best = run_sweep(args, scaled, costs)
-        _print_rows(rows)
+        flags = {k: v for k, v in vars(args).items() if k != "func"}
+        rows, best = run_sweep(parse_sweep(args.sweep), scaled, costs, flags, sim_config, args.min_attainment,
+                               jobs=args.jobs or default_jobs())
+        print_rows(rows)
         out.mkdir(parents=True, exist_ok=True)
         (out / "sweep.json").write_text(json.dumps({"rows": rows, "best": best}, indent=2) + "\n")
         if best is None:

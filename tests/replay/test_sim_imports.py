@@ -12,7 +12,7 @@ HEAVY = ("torch", "grpc", "matplotlib")
 
 def test_simulator_and_cli_parser_import_no_torch_grpc_or_matplotlib() -> None:
     code = ("import sys\n"
-            "import replay.sim, replay.sim.run, replay.sim.cli, replay.sim.fit\n"
+            "import replay.sim, replay.sim.run, replay.sim.cli, replay.sim.fit, replay.sim.sweep\n"
             "from deploy.cli import build_parser\n"
             "build_parser()\n"
             f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))\n")
