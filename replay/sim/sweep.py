@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -72,6 +73,7 @@ def _simulate_shape(scaled, costs: CostModels, flags: dict, make_config: Callabl
 
 
 def _init_worker(scaled, costs: CostModels, flags: dict, make_config: Callable[..., SimConfig]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the sweep's to handle: it stops the pool
     _worker.update(scaled=scaled, costs=costs, flags=flags, make_config=make_config)
 
 
