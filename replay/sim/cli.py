@@ -96,17 +96,21 @@ def sim_config(args: argparse.Namespace | dict, **override) -> SimConfig:
 
 def _write_run(out: Path, scaled, config: SimConfig, costs: CostModels, plots: bool) -> SimResult:
     """Simulates into the report directory ``out``: streamed when the requests' indexes rise
-    in arrival order (a sorted trace: the usual case), else kept and written at the end."""
+    in arrival order (a sorted trace: the usual case), else kept and written at the end; a
+    status line on stderr meanwhile (``replay.progress.SimProgress``)."""
+    from replay.progress import SimProgress
     from replay.report import REQUESTS_FILE, ReportWriter, write_report
+    from replay.sim.sinks import KeptRecords
 
     requests = scaled.requests
     if isinstance(requests, tuple) and any(a.index >= b.index for a, b in zip(requests, requests[1:], strict=False)):
-        result = simulate(scaled, config, costs)
-        write_report(out, result.records, result.summary, plots=plots)
+        kept = KeptRecords()
+        result = simulate(scaled, config, costs, sink=SimProgress(kept, scaled.num_requests, sys.stderr))
+        write_report(out, kept.records, result.summary, plots=plots)
         return result
     writer = ReportWriter(out)
     try:
-        result = simulate(scaled, config, costs, sink=writer)
+        result = simulate(scaled, config, costs, sink=SimProgress(writer, scaled.num_requests, sys.stderr))
     finally:
         writer.close()
     if plots:
