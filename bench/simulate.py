@@ -21,14 +21,16 @@ Prints one JSON object; progress goes to stderr; writes the oscillation plot nex
 3. Plain vs prediction-based early rejection (decode-bound: 8 + 2 workers at 3x the rate):
    rejections, goodput, variance of the prefill and decode load series, and a PNG of both
    series (``--plot``).
-4. A sweep (prefill 4/8, decode 2/4/8, mooncake): the cheapest shape meeting the SLOs.
+4. A sweep (prefill 4/8, decode 2/4/8, mooncake): the cheapest shape meeting the SLOs, run one
+   shape after another (the baseline) and as ``tidekv simulate --sweep`` runs it (a process
+   per CPU): both walls, the speedup, and whether the rows agree.
 
 The tiny CPU model cannot serve this trace at its rate, so these runs use an analytic cost
 model of a GPU-class instance (10k prefill tokens/s, 20 ms + 0.5 ms per request decode step;
 stated in the output); ``--calibration FILE`` uses a measured one instead.
 
 Usage: python -m bench.simulate [--quick] [--repeats 3] [--plot oscillation.png] [--calibration FILE]
-                                [--big 1000000] [--only speed|big]
+                                [--big 1000000] [--only speed|big|sweep]
 The machine this runs on may be shared: compare within one run (the ratios), not across runs.
 """
 
@@ -51,6 +53,7 @@ from prefill_worker.config import PrefillConfig
 from replay.records import RequestRecord
 from replay.report import ReportWriter
 from replay.sim.run import SimConfig, simulate
+from replay.sim.sweep import default_jobs, run_sweep
 from replay.summary import Summary
 from replay.traces import SYNTHETIC_TRACE, read_trace
 from replay.transform import TiledTrace, TraceTransform, apply_transform
@@ -260,16 +263,32 @@ def oscillation(costs_decode_bound: CostModels, plot: str) -> dict:
     return out
 
 
+def sweep_config(flags: dict, **shape) -> SimConfig:
+    """A sweep shape's configuration (module level: the sweep's pool processes unpickle it)."""
+    return SimConfig(int(shape["prefill"]), int(shape["decode"]), conductor(shape.get("policy", flags["policy"])),
+                     PREFILL, DECODE)
+
+
 def sweep(costs: CostModels) -> dict:
+    """The shapes one after another in this process (the baseline), then ``default_jobs()`` at a
+    time in a pool, as ``tidekv simulate --sweep`` runs them: both walls, and whether the rows
+    agree (they must: a run is deterministic)."""
     trace = scaled(TRACE, slo=SLO)
-    rows = []
-    for p in (4, 8):
-        for d in (2, 4, 8):
-            log(f"sweep {p}+{d}")
-            s = simulate(trace, SimConfig(p, d, conductor("mooncake"), PREFILL, DECODE), costs).summary
-            rows.append({"prefill": p, "decode": d, "attainment": s.slo.attainment, "goodput_rps": s.slo.goodput_rps})
-    meeting = [r for r in rows if r["attainment"] >= 0.9]
-    return {"rows": rows, "cheapest_meeting_0.9": min(meeting, key=lambda r: r["prefill"] + r["decode"], default=None)}
+    grid = {"prefill": ["4", "8"], "decode": ["2", "4", "8"]}
+    runs = {}
+    for jobs in (1, default_jobs()):
+        log(f"sweep: {jobs} at a time")
+        t0 = time.perf_counter()
+        rows, best = run_sweep(grid, trace, costs, {"policy": "mooncake"}, sweep_config, 0.9, jobs=jobs)
+        runs[jobs] = (time.perf_counter() - t0, rows, best)
+    (serial_s, rows, best), (pool_s, pool_rows, _) = runs[1], runs[max(runs)]
+    same = [{k: v for k, v in r.items() if k != "wall_s"} for r in rows] == [
+        {k: v for k, v in r.items() if k != "wall_s"} for r in pool_rows]
+    return {"rows": [{"prefill": int(r["prefill"]), "decode": int(r["decode"]), "attainment": r["attainment"],
+                      "goodput_rps": r["goodput_rps"]} for r in rows],
+            "cheapest_meeting_0.9": best and {"prefill": int(best["prefill"]), "decode": int(best["decode"])},
+            "wall_s": {"one_at_a_time": serial_s, f"{max(runs)}_at_a_time": pool_s},
+            "speedup": serial_s / pool_s, "same_rows": same}
 
 
 def main() -> None:
@@ -280,7 +299,7 @@ def main() -> None:
     p.add_argument("--calibration", default="")
     p.add_argument("--big", type=int, default=0, metavar="N",
                    help="also run N tiled requests on 128+128 workers (1000000 for the issue's figure)")
-    p.add_argument("--only", choices=("speed", "big"), default=None, help="run only this section")
+    p.add_argument("--only", choices=("speed", "big", "sweep"), default=None, help="run only this section")
     args = p.parse_args()
     costs = load_models(args.calibration) if args.calibration else CostModels.analytic(**GPU_LIKE)
     decode_bound = CostModels.analytic(**{**GPU_LIKE, "decode_s_per_request": 0.004})
@@ -298,7 +317,8 @@ def main() -> None:
             out["policies"] = policies(costs)
             if not args.quick:
                 out["oscillation"] = oscillation(decode_bound, args.plot)
-                out["sweep"] = sweep(costs)
+        if args.only == "sweep" or (args.only is None and not args.quick):
+            out["sweep"] = sweep(costs)
         if args.big and args.only in (None, "big"):
             out["big"] = big_run(costs, args.big, Path(tmp) / "big-report")
     out["host"]["load_avg_1m_at_end"] = os.getloadavg()[0]

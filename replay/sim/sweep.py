@@ -69,7 +69,7 @@ def shape_row(shape: dict, result: SimResult) -> dict:
 def _simulate_shape(scaled, costs: CostModels, flags: dict, make_config: Callable[..., SimConfig],
                     shape: dict) -> dict:
     result = simulate(scaled, make_config(flags, **shape), costs)
-    return shape_row({k: shape.get(k, flags[k]) for k in SWEEP_KEYS}, result)
+    return shape_row({k: shape[k] if k in shape else flags[k] for k in SWEEP_KEYS}, result)
 
 
 def _init_worker(scaled, costs: CostModels, flags: dict, make_config: Callable[..., SimConfig]) -> None:

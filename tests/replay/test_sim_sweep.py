@@ -84,3 +84,21 @@ def test_a_shape_that_fails_fails_the_sweep_and_stops_the_pool() -> None:
     assert multiprocessing.active_children() == []
     with pytest.raises(ValueError, match="--jobs must be >= 1"):
         run_sweep(parse_sweep(["prefill=1"]), scaled, tiny_cpu_estimate(), flags, sim_config, 0.9, jobs=0)
+
+
+def plain_config(flags: dict, **shape):
+    """Only the swept keys and ``flags``' policy: what a caller other than the CLI passes."""
+    from conductor.config import ConductorConfig
+    from replay.sim.run import SimConfig
+
+    return SimConfig(int(shape["prefill"]), int(flags["decode"]), ConductorConfig(policy=flags["policy"]))
+
+
+def test_a_caller_passes_only_the_flags_the_grid_does_not_sweep() -> None:
+    from costmodel.builtin import tiny_cpu_estimate
+
+    scaled = apply_transform(read_trace(SYNTHETIC_TRACE),
+                             TraceTransform(block_size=512, index_end=100, ttft_slo_s=10.0), materialise=False)
+    rows, _ = run_sweep({"prefill": ["1", "2"]}, scaled, tiny_cpu_estimate(), {"policy": "mooncake", "decode": 1},
+                        plain_config, 0.9, jobs=1)
+    assert [(r["prefill"], r["decode"], r["policy"]) for r in rows] == [("1", 1, "mooncake"), ("2", 1, "mooncake")]
