@@ -41,8 +41,13 @@ class StatusLine:
         self._stream.flush()
 
     def close(self, make_line: Callable[[], str]) -> None:
+        """The line a last time, then ``end``."""
         self.show(make_line, force=True)
-        if self._tty and self._stream is not None:
+        self.end()
+
+    def end(self) -> None:
+        """Ends a line rewritten in place (on a terminal) so that what follows starts below it."""
+        if self._tty and self._stream is not None and self._last != float("-inf"):
             self._stream.write("\n")
             self._stream.flush()
 

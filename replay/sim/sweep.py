@@ -23,6 +23,7 @@ from typing import Any
 
 from conductor.routing import policy_names
 from costmodel import CostModels
+from replay.progress import StatusLine
 from replay.sim.run import SimConfig, SimResult, simulate
 
 SWEEP_KEYS = ("prefill", "decode", "policy")
@@ -97,9 +98,10 @@ def run_sweep(grid: dict[str, list[str]], scaled, costs: CostModels, flags: dict
     shapes = [dict(zip(keys, values, strict=True)) for values in itertools.product(*(grid[k] for k in keys))]
     rows: list[dict | None] = [None] * len(shapes)
 
+    status = StatusLine(sys.stderr, refresh_s=0.0, log_every_s=0.0)  # a line per shape, in place on a terminal
+
     def done(i: int, num_done: int) -> None:
-        print(f"\rsweep {num_done}/{len(shapes)}: {shapes[i]} attainment {rows[i]['attainment']:.3f}",
-              end="", file=sys.stderr)
+        status.show(lambda: f"sweep {num_done}/{len(shapes)}: {shapes[i]} attainment {rows[i]['attainment']:.3f}")
 
     jobs = min(jobs, len(shapes))
     if jobs == 1:
@@ -120,7 +122,7 @@ def run_sweep(grid: dict[str, list[str]], scaled, costs: CostModels, flags: dict
             pool.close()
         finally:
             pool.join()
-    print(file=sys.stderr)
+    status.end()
     complete = [row for row in rows if row is not None]
     meeting = [r for r in complete if r["attainment"] >= min_attainment]
     best = min(meeting, key=lambda r: (int(r["prefill"]) + int(r["decode"]), -r["attainment"]), default=None)
