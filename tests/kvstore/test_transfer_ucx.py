@@ -332,3 +332,12 @@ def test_a_body_that_never_comes_fails_its_request_and_the_receiver_serves_the_n
             assert sink.blobs == {0: BLOBS[0].tobytes(), 1: BLOBS[1].tobytes()}
         finally:
             again.close()
+
+
+def test_the_bench_compares_ucx_and_tcp_per_cpu_second_too():
+    """``bench.transfer``'s ucx rows per CPU second of both ends: bytes per second over cores busy."""
+    from bench.transfer import _ratio_per_cpu_s
+
+    ucx, tcp = {"median_gbps": 2.0, "cores_busy": 1.6}, {"median_gbps": 2.4, "cores_busy": 1.5}
+    assert _ratio_per_cpu_s(ucx, tcp) == {"ratio": round((2.0 / 1.6) / (2.4 / 1.5), 3)}
+    assert "skipped" in _ratio_per_cpu_s({}, tcp)
