@@ -4,6 +4,7 @@ unchanged and in order, the line counts them, and ``tidekv simulate`` shows it o
 from __future__ import annotations
 
 import io
+import json
 
 from deploy.cli import main as tidekv
 from replay.progress import SimProgress
@@ -56,3 +57,17 @@ def test_tidekv_simulate_shows_the_line(tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert "simulate: done 300/300 (100.0%" in err
     assert sum(1 for _ in (tmp_path / "run" / "requests.jsonl").open()) == 300
+
+
+def test_a_trace_out_of_arrival_order_is_kept_then_written_with_the_line(tmp_path, capsys) -> None:
+    """Indexes that do not rise with arrival time: the run keeps its records and writes them at
+    the end (``_write_run``'s other path), with the same status line."""
+    trace = tmp_path / "unsorted.jsonl"
+    trace.write_text("".join(f'{{"timestamp": {t}, "input_length": 600, "output_length": 5, "hash_ids": [{h}, 9]}}\n'
+                             for t, h in ((2000, 1), (0, 2), (1000, 3))))
+    rc = tidekv(["simulate", "--trace", str(trace), "--block-size", "512", "--out", str(tmp_path / "run"),
+                 "--no-plots"])
+    assert rc == 0
+    assert "simulate: done 3/3 (100.0%: finished 3" in capsys.readouterr().err
+    lines = (tmp_path / "run" / "requests.jsonl").read_text().splitlines()
+    assert [json.loads(line)["index"] for line in lines] == [0, 1, 2]
