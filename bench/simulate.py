@@ -265,8 +265,8 @@ def oscillation(costs_decode_bound: CostModels, plot: str) -> dict:
 
 def sweep_config(flags: dict, **shape) -> SimConfig:
     """A sweep shape's configuration (module level: the sweep's pool processes unpickle it)."""
-    return SimConfig(int(shape["prefill"]), int(shape["decode"]), conductor(shape.get("policy", flags["policy"])),
-                     PREFILL, DECODE)
+    policy = shape["policy"] if "policy" in shape else flags["policy"]
+    return SimConfig(int(shape["prefill"]), int(shape["decode"]), conductor(policy), PREFILL, DECODE)
 
 
 def sweep(costs: CostModels) -> dict:

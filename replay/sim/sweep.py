@@ -123,10 +123,10 @@ def run_sweep(grid: dict[str, list[str]], scaled, costs: CostModels, flags: dict
         finally:
             pool.join()
     status.end()
-    complete = [row for row in rows if row is not None]
-    meeting = [r for r in complete if r["attainment"] >= min_attainment]
+    done_rows = [row for row in rows if row is not None]  # every one: a shape that failed raised above
+    meeting = [r for r in done_rows if r["attainment"] >= min_attainment]
     best = min(meeting, key=lambda r: (int(r["prefill"]) + int(r["decode"]), -r["attainment"]), default=None)
-    return complete, best
+    return done_rows, best
 
 
 def print_rows(rows: list[dict]) -> None:
