@@ -58,7 +58,11 @@ class FloatColumn:
             self._spill()
 
     def extend(self, values: Iterable[float]) -> None:
-        self._values.extend(values)
+        """Appends ``values``; a float64 array's bytes are taken as they are (no pass in Python)."""
+        if isinstance(values, np.ndarray) and values.dtype == np.float64:
+            self._values.frombytes(np.ascontiguousarray(values).tobytes())
+        else:
+            self._values.extend(values)
         if len(self._values) >= self.spill_values:
             self._spill()
 

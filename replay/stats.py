@@ -3,7 +3,9 @@
 Pure functions over plain sequences of seconds; no I/O, no clocks.
 
 - ``token_intervals``: gaps between consecutive output tokens (the first token's time is TTFT,
-  not an interval), so ``n`` tokens give ``n-1`` intervals.
+  not an interval), so ``n`` tokens give ``n-1`` intervals; ``interval_array`` the same gaps
+  as a float64 array (the same subtractions, done by numpy: a run's summary takes every
+  token's).
 - ``tbt_s``: Mooncake (FAST'25) time between tokens, the mean of the longest 10% of a
   request's intervals (at least one interval), so a few slow steps count, as a user feels them.
 - ``percentile``: linear interpolation between closest ranks (numpy's default).
@@ -24,17 +26,24 @@ def token_intervals(token_times_s: Sequence[float]) -> list[float]:
     return [b - a for a, b in zip(token_times_s, token_times_s[1:], strict=False)]
 
 
+def interval_array(token_times_s: Sequence[float]) -> np.ndarray:
+    """``token_intervals`` as a float64 array, equal value for value."""
+    return np.diff(np.asarray(token_times_s, dtype=np.float64))
+
+
 def tbt_s(token_times_s: Sequence[float], tail_fraction: float = TBT_TAIL_FRACTION) -> float | None:
     """Mean of the longest ``ceil(tail_fraction * n)`` of the ``n`` intervals; None below 2 tokens."""
     return tbt_of_intervals(token_intervals(token_times_s), tail_fraction)
 
 
 def tbt_of_intervals(gaps: Sequence[float], tail_fraction: float = TBT_TAIL_FRACTION) -> float | None:
-    """``tbt_s`` of the token times these are the intervals of (for a caller that has them)."""
-    if not gaps:
+    """``tbt_s`` of the token times these are the intervals of (for a caller that has them: a
+    sequence or an array). The longest ``k`` in ascending order, as ``sorted`` gives them, so
+    the mean sums the same values in the same order either way."""
+    if not len(gaps):
         return None
     k = max(1, math.ceil(round(tail_fraction * len(gaps), 9)))
-    return float(np.mean(sorted(gaps)[-k:]))
+    return float(np.sort(np.asarray(gaps, dtype=np.float64))[-k:].mean())
 
 
 def mean_itl_s(token_times_s: Sequence[float]) -> float | None:

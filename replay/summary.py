@@ -34,7 +34,7 @@ from typing import Any
 
 from replay.columns import FloatColumn
 from replay.records import CANCELLED, FAILED, FINISHED, OUTCOMES, REJECTED, SCHEMA_VERSION, RequestRecord
-from replay.stats import LatencyStats, meets_slo, tbt_of_intervals, token_intervals
+from replay.stats import LatencyStats, interval_array, meets_slo, tbt_of_intervals
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ class SummaryBuilder:
             self._decode.setdefault(r.decode_worker, Counter()).update(requests=1, output_tokens=r.num_output_tokens)
         if r.outcome != FINISHED:
             return
-        gaps = token_intervals(r.token_times_s)
+        gaps = interval_array(r.token_times_s)
         tbt = tbt_of_intervals(gaps)
         if tbt is not None:
             self._tbt.append(tbt)

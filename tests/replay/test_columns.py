@@ -66,3 +66,15 @@ def test_nan_makes_every_figure_nan_as_in_numpy() -> None:
     assert got.count == expected.count == 15
     assert all(math.isnan(x) for x in (got.mean, got.p50, got.p90, got.p99, got.max))
     assert all(math.isnan(x) for x in (expected.mean, expected.p50, expected.p90, expected.p99, expected.max))
+
+
+def test_an_array_extends_a_column_as_its_values_would() -> None:
+    values = np.random.default_rng(3).exponential(1.0, 1000)
+    by_array, by_list = FloatColumn(spill_values=300), FloatColumn(spill_values=300)
+    for part in np.array_split(values, 7):
+        by_array.extend(part)
+        by_list.extend(part.tolist())
+    by_array.extend(np.arange(3, dtype=np.float32))  # not float64: converted value by value
+    by_list.extend([0.0, 1.0, 2.0])
+    assert len(by_array) == len(by_list) == 1003
+    assert by_array.stats() == by_list.stats()

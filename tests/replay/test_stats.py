@@ -3,7 +3,16 @@
 import numpy as np
 import pytest
 
-from replay.stats import LatencyStats, mean_itl_s, meets_slo, percentile, tbt_s, token_intervals
+from replay.stats import (
+    LatencyStats,
+    interval_array,
+    mean_itl_s,
+    meets_slo,
+    percentile,
+    tbt_of_intervals,
+    tbt_s,
+    token_intervals,
+)
 from replay.summary import Summary, summarize
 from replay.timeline import admissions_over_time, cached_ratio_over_time, concurrency, worker_occupancy
 from tests.replay.helpers import rec
@@ -27,6 +36,18 @@ def test_tbt_is_mean_of_longest_tenth_of_intervals():
     assert tbt_s([0.1, 0.1, 0.1, 0.4]) == pytest.approx(0.3)
     assert mean_itl_s([0.1, 0.1, 0.1, 0.4]) == pytest.approx(0.1)
     assert mean_itl_s([0.1]) is None
+
+
+def test_the_array_of_intervals_and_its_tbt_equal_the_lists_bit_for_bit():
+    """The summary takes the gaps as an array (numpy's subtractions) and sorts them with numpy:
+    the same floats as the plain list and ``sorted``, so its TBT figures are unchanged."""
+    rng = np.random.default_rng(7)
+    for n in (0, 1, 2, 11, 340, 2049):
+        times = [float(t) for t in np.cumsum(rng.exponential(0.02, n)) + 3.7]
+        gaps = interval_array(times)
+        assert gaps.dtype == np.float64 and gaps.tolist() == token_intervals(times)
+        expected = float(np.mean(sorted(token_intervals(times))[-max(1, -(-len(gaps) // 10)):])) if n > 1 else None
+        assert tbt_of_intervals(gaps) == tbt_of_intervals(token_intervals(times)) == expected
 
 
 def test_percentiles_and_latency_stats():
