@@ -14,6 +14,10 @@ lookups, ``bytes`` slicing and ``translate``), never a Python object per block::
     keys[2]               0  4  0  0             so the last snapshot ends block 2: usable 3
     keys[3]               (no row: held by nobody, the scan stops here)
 
+Only a worker holding ``keys[0]`` can have a prefix: a match cuts the columns of the slots
+non-zero in the first row (found in C), and every other worker of the answer gets its frozen
+empty match, so on a large cluster a match costs its holders, not a call per worker.
+
 The usable length is ``kvstore.hitrule``'s. Slots are reused once their worker holds
 nothing; rows widen (doubling) when a new slot does not fit. Not thread-safe: the owner locks.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+import re
 from collections.abc import Iterable, Sequence
 
 from kvstore.blocks import BlockKey, Tier
@@ -34,6 +39,7 @@ _MIN_WIDTH = 16  # slots a row has at first; doubled when a new one does not fit
 # Row byte -> the tier / the snapshot flag it encodes (bytes.translate tables; 0 -> 0).
 _TIER_OF_CODE = bytes((c - 1) // 2 if 0 < c <= 2 * len(Tier) else 0 for c in range(256))
 _SNAPSHOT_OF_CODE = bytes((c - 1) % 2 if 0 < c <= 2 * len(Tier) else 0 for c in range(256))
+_HELD = re.compile(rb"[^\x00]")  # a non-zero row byte: a slot that holds the key
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,6 +70,7 @@ class BlockIndex:
         self._worker_blocks: dict[str, dict[BlockKey, BlockHold]] = {}
         self._rows: dict[BlockKey, bytearray] = {}  # the same holdings, by key: one byte per slot
         self._slots: dict[str, int] = {}  # exactly the workers of _worker_blocks
+        self._owners: dict[int, str] = {}  # the same, by slot
         self._width = _MIN_WIDTH  # bytes in every row
         self._free_slots = list(range(self._width - 1, -1, -1))  # pop(): the last freed, else lowest unused
         self._empty_matches: dict[str, WorkerMatch] = {}  # made once per worker; forgotten with it
@@ -94,8 +101,13 @@ class BlockIndex:
         except TypeError:  # an unhashable key: the check below names it
             rows = []
         check_keys(keys[len(rows) :])  # the keys found were checked when they were stored
-        matrix = b"".join(rows)
-        return MatchSnapshot(len(keys), tuple(self._worker_match(w, matrix) for w in worker_ids))
+        if not rows:
+            return MatchSnapshot(len(keys), tuple(map(self._empty_match, worker_ids)))
+        matrix, owners = b"".join(rows), self._owners
+        held = {owners[m.start()]: m.start() for m in _HELD.finditer(rows[0])}  # by worker: its slot
+        column, empty = self._column_match, self._empty_match
+        return MatchSnapshot(len(keys), tuple([column(w, held[w], matrix) if w in held else empty(w)
+                                               for w in worker_ids]))
 
     def drop_worker(self, worker_id: str) -> None:
         """Forget every block ``worker_id`` holds."""
@@ -104,6 +116,7 @@ class BlockIndex:
         if held is None:
             return
         slot = self._slots.pop(worker_id)
+        del self._owners[slot]
         for key in held:
             self._clear(slot, key)
         self._free_slots.append(slot)
@@ -119,6 +132,7 @@ class BlockIndex:
         """Raise ``AssertionError`` if the rows and the per-worker maps disagree, a slot is
         shared or dangling, or a block is held by a worker not in ``known_ids``."""
         assert self._slots.keys() == self._worker_blocks.keys(), "slots and block holders differ"
+        assert self._owners == {slot: w for w, slot in self._slots.items()}, "slot owners differ"
         used = sorted(self._slots.values())
         assert len(set(used)) == len(used), f"shared slots {used}"
         assert set(used).isdisjoint(self._free_slots), f"slots {used} also free {self._free_slots}"
@@ -136,16 +150,17 @@ class BlockIndex:
             assert len(row) == self._width and any(row), f"row of {key.hex()}: {bytes(row)!r}"
         assert num_pairs == sum(len(row) - row.count(0) for row in self._rows.values()), "block maps differ"
 
-    def _worker_match(self, worker_id: str, matrix: bytes) -> WorkerMatch:
-        """One worker's column of ``matrix`` up to its first 0: the contiguous held prefix."""
-        slot = self._slots.get(worker_id)
-        if slot is None or not matrix or not matrix[slot]:
-            # Holds nothing (decode workers never hold), or not the first key: one frozen
-            # answer per worker, the one the column would give.
-            empty = self._empty_matches.get(worker_id)
-            if empty is None:
-                empty = self._empty_matches[worker_id] = WorkerMatch(worker_id, 0, 0, b"")
-            return empty
+    def _empty_match(self, worker_id: str) -> WorkerMatch:
+        """The answer for a worker that does not hold the first key (or holds nothing: decode
+        workers never do): one frozen value per worker, the one its column would give."""
+        empty = self._empty_matches.get(worker_id)
+        if empty is None:
+            empty = self._empty_matches[worker_id] = WorkerMatch(worker_id, 0, 0, b"")
+        return empty
+
+    def _column_match(self, worker_id: str, slot: int, matrix: bytes) -> WorkerMatch:
+        """The column of ``slot`` (``worker_id``'s, non-zero in the first row) of ``matrix`` up
+        to its first 0: the contiguous held prefix."""
         column = matrix[slot :: self._width]
         num_present = column.find(0)
         codes = column if num_present < 0 else column[:num_present]
@@ -163,6 +178,7 @@ class BlockIndex:
                 row.extend(bytes(old))
             self._free_slots = list(range(self._width - 1, old - 1, -1))
         self._slots[worker_id] = slot = self._free_slots.pop()
+        self._owners[slot] = worker_id
         return slot
 
     def _store(self, worker_id: str, key: BlockKey, hold: BlockHold) -> None:
@@ -180,7 +196,9 @@ class BlockIndex:
         self._clear(self._slots[worker_id], key)
         if not held:
             del self._worker_blocks[worker_id]
-            self._free_slots.append(self._slots.pop(worker_id))
+            slot = self._slots.pop(worker_id)
+            del self._owners[slot]
+            self._free_slots.append(slot)
 
     def _clear(self, slot: int, key: BlockKey) -> None:
         row = self._rows[key]
