@@ -80,3 +80,21 @@ def test_write_comparison_without_plots(tmp_path):
     table, paths = write_comparison(tmp_path / "c", load_report(tmp_path / "a"), load_report(tmp_path / "a"),
                                     plots=False)
     assert [p.name for p in paths] == ["compare.md", "compare.json"] and table.startswith("| metric |")
+
+
+def test_a_record_line_reads_back_as_json_would_write_it():
+    """Records are written by orjson: each line holds json's values (only a float far from 1
+    may be spelt otherwise), and json writes the records orjson would write differently."""
+    import random
+
+    from replay.records import RequestRecord
+
+    rng = random.Random(5)
+    gaps = tuple(rng.choice((1e-7, 2.5e-5, 0.02, 0.1 + rng.random(), 3e5)) for _ in range(200))
+    plain = rec(1, gaps=gaps, ttft=9.999999997489795e-05, predicted_ttft_s=1e-300, ttft_slo_s=2.0)
+    line = plain.to_json()
+    assert json.loads(line) == json.loads(json.dumps(plain.to_dict(), separators=(",", ":")))
+    assert RequestRecord.from_dict(json.loads(line)) == plain
+    for odd in (rec(2, gaps=(float("nan"),)), rec(3, ttft_slo_s=float("inf")), rec(4, prompt=1 << 70)):
+        assert odd.to_json() == json.dumps(odd.to_dict(), separators=(",", ":"))  # json's NaN, Infinity, big int
+    assert "NaN" in rec(2, gaps=(float("nan"),)).to_json()
