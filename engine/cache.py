@@ -236,7 +236,7 @@ class CacheManager:
         bs = self.block_size
         first, last = start // bs, (end - 1) // bs
         idx = torch.tensor(seq.pages[first : last + 1], device=self.pool.kv.device)
-        # index_select: on CPU about 10x faster than advanced indexing (kv[mla_index, idx]) here
+        # index_select: on CPU about 2x faster than advanced indexing (kv[mla_index, idx]) here
         flat = self.pool.kv[mla_index].index_select(0, idx).reshape(-1, self.cfg.latent_dim)
         return flat[start - first * bs : end - first * bs]
 
