@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -32,6 +34,7 @@ from conductor.routing import WorkerView
 from conductor.speed import Pace
 
 _NO_DECODE_JOBS = DecodeJobs()
+_elapsed_s = operator.attrgetter("elapsed_s")
 _VIEW_DEFAULTS = {f.name: f.default for f in dataclasses.fields(WorkerView) if f.default is not dataclasses.MISSING}
 
 
@@ -95,19 +98,27 @@ class JobsTemplate(NamedTuple):
 
 
 def jobs_template(entry: RegistryEntry, pending: PendingView) -> JobsTemplate:
+    """The template of ``entry``'s worker. Its passes over the jobs run in C (``compress``,
+    ``map``): a busy worker's heartbeat lists its whole queue, and a new one comes every interval."""
     w = entry.worker_id
     own = pending.prefill_jobs.get(w, ())
-    if not entry.load.prefill_jobs:
-        jobs, aged = own, ()  # the heartbeat lists nothing: every job is ours
+    listed_jobs = entry.load.prefill_jobs
+    if not listed_jobs:
+        jobs, aged, ours = own, (), own  # the heartbeat lists nothing: every job is ours
     else:
-        left = pending.left_prefill.get(w, frozenset())
-        kept = [j for j in entry.load.prefill_jobs if request_of(j.request_id) not in left]
-        aged = tuple(i for i, j in enumerate(kept) if j.elapsed_s != 0)  # a queued job is listed as it is
+        left = pending.left_prefill.get(w)
+        kept = [j for j in listed_jobs if request_of(j.request_id) not in left] if left else list(listed_jobs)
+        # The listed running jobs: the listed jobs whose elapsed time is not 0 (a queued job is
+        # listed as it is).
+        aged = tuple(itertools.compress(range(len(kept)), map(_elapsed_s, kept)))
+        ours = ()
         if own:
-            listed = {request_of(j.request_id) for j in entry.load.prefill_jobs}
-            kept += [j for j in own if j.request_id not in listed]
+            listed = {request_of(j.request_id) for j in listed_jobs}
+            ours = [j for j in own if j.request_id not in listed]
+            kept += ours
         jobs = tuple(kept)
-    others_run = any(j.elapsed_s > 0 for i, j in enumerate(jobs) if i not in aged)
+    # A job outside ``aged`` that runs: only one of ours can be (the listed others' elapsed is 0).
+    others_run = max(map(_elapsed_s, ours), default=0.0) > 0
     head, start_s = _running_head(jobs, w, pending)
     return JobsTemplate(jobs, aged, head, start_s, others_run)
 

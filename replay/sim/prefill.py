@@ -80,6 +80,7 @@ class SimPrefill:
         self._events: list[StoreEvent] = []  # the store's changes since the last flush
         self.store = Placement(tiers, config.eviction, self.top, on_event=self._events.append)
         self.queue: deque[SimPrefillJob] = deque()
+        self._queued_loads: deque[PrefillJobLoad] = deque()  # each queued job as a heartbeat lists it
         self.running: SimPrefillJob | None = None
         self.num_busy_s = 0.0
         block_bytes = self.block_size * costs.kv_bytes_per_token
@@ -103,6 +104,8 @@ class SimPrefill:
 
     def submit(self, job: SimPrefillJob) -> None:
         self.queue.append(job)
+        reused = job.planned_reused_tokens
+        self._queued_loads.append(PrefillJobLoad(job.request_id, job.num_prompt_tokens - reused, reused))
         if self.running is None:
             self._start_next()
 
@@ -112,9 +115,7 @@ class SimPrefill:
             j = self.running
             jobs.append(PrefillJobLoad(j.request_id, j.num_prompt_tokens - j.num_reused_tokens, j.num_reused_tokens,
                                        max(1e-9, self.loop.now - (j.started_s or self.loop.now))))
-        for j in self.queue:
-            reused = j.planned_reused_tokens
-            jobs.append(PrefillJobLoad(j.request_id, j.num_prompt_tokens - reused, reused))
+        jobs += self._queued_loads  # (made once per job, on submit)
         return WorkerLoad(num_queued=len(self.queue), num_running=int(self.running is not None),
                           num_free_pages=self.config.num_pages, prefill_jobs=tuple(jobs),
                           timestamp_s=self.loop.clock.wall())
@@ -124,6 +125,7 @@ class SimPrefill:
             self.running = None
             return
         job = self.running = self.queue.popleft()
+        self._queued_loads.popleft()
         job.started_s = self.loop.now
         pull_s = self._reuse(job)
         n, reused = job.num_prompt_tokens, job.num_reused_tokens

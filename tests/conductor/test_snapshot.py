@@ -7,10 +7,12 @@ from __future__ import annotations
 import random
 
 from clusterstate.workers import PrefillJobLoad, WorkerLoad, WorkerRole
-from conductor.pending import PendingWork
+from conductor.dispatch import request_of
+from conductor.pending import PendingView, PendingWork
 from conductor.routing import ReusePlan, RouteDecision, RouteRequest
 from conductor.snapshot import RegistryEntry, ViewMemo, build_snapshot
 from conductor.speed import Pace, Paces
+from conductor.worker_views import jobs_template
 from kvstore.blocks import Tier
 from kvstore.index import MatchSnapshot, WorkerMatch
 from tests.conductor.test_core import BS, entry
@@ -123,3 +125,39 @@ def test_a_view_memo_fed_another_overlay_s_next_view_looks_at_every_worker() -> 
     memoised = build_snapshot(registry, None, later, 0.1, 0.0, paces, memo)
     assert memoised == build_snapshot(registry, None, later, 0.1, 0.0, paces) != first
     assert [j.request_id for j in memoised.prefill[0].prefill_jobs] == ["r0"]
+
+
+def _plain_template_parts(load: WorkerLoad, view: PendingView, worker_id: str) -> tuple:
+    """``jobs_template``'s jobs, listed running jobs and whether another job runs, by their
+    definitions, one job at a time."""
+    own = view.prefill_jobs.get(worker_id, ())
+    if not load.prefill_jobs:
+        jobs, aged = own, ()
+    else:
+        left = view.left_prefill.get(worker_id, frozenset())
+        kept = [j for j in load.prefill_jobs if request_of(j.request_id) not in left]
+        aged = tuple(i for i, j in enumerate(kept) if j.elapsed_s != 0)
+        listed = {request_of(j.request_id) for j in load.prefill_jobs}
+        jobs = tuple(kept + [j for j in own if j.request_id not in listed])
+    return jobs, aged, any(j.elapsed_s > 0 for i, j in enumerate(jobs) if i not in aged)
+
+
+def test_a_jobs_template_is_its_definition_on_random_heartbeats_and_overlays() -> None:
+    """A prefill worker's jobs template (what the heartbeat lists, less what left, then this
+    Conductor's jobs it does not list; the listed running ones; whether one of ours runs) on
+    random heartbeats (placement ids, running and queued jobs) and overlays (jobs that left,
+    our own jobs, some running)."""
+    rng = random.Random(5)
+    for _ in range(500):
+        ids = [f"r{i}" for i in range(rng.randint(0, 8))]
+        listed = rng.sample(ids, rng.randint(0, len(ids)))
+        jobs = tuple(PrefillJobLoad(f"{r}/{rng.randint(0, 2)}" if rng.random() < 0.5 else r, rng.randint(1, 99), 0,
+                                    rng.choice([0.0, 0.0, 0.05])) for r in listed)
+        own = tuple(PrefillJobLoad(r, rng.randint(1, 99), 0, rng.choice([0.0, 0.0, 0.03]))
+                    for r in rng.sample(ids, rng.randint(0, len(ids))))
+        view = PendingView(prefill_jobs={"p0": own} if own else {},
+                           left_prefill={"p0": frozenset(rng.sample(ids, rng.randint(0, len(ids))))}
+                           if rng.random() < 0.7 else {})
+        load = WorkerLoad(prefill_jobs=jobs)
+        template = jobs_template(entry("p0", "prefill", load), view)
+        assert (template.jobs, template.aged, template.others_run) == _plain_template_parts(load, view, "p0")
