@@ -201,8 +201,9 @@ def build_snapshot(registry: Sequence[RegistryEntry], matches: MatchSnapshot | N
     def pace_of(worker_id: str) -> Pace:
         return get_pace(worker_id) or _unseen_pace(paces)
 
-    # A match with no usable block reads as none (most workers of a large cluster).
-    by_worker = {m.worker_id: m for m in matches.matches if m.num_blocks_usable} if matches is not None else {}
+    # A match with no usable block reads as none (most workers of a large cluster): only the
+    # workers that hold a block (``held``) can have one.
+    by_worker = {m.worker_id: m for m in matches.held if m.num_blocks_usable} if matches is not None else {}
     if memo is None:
         prefill, decode = _all_views(registry, pending, by_worker.get, pace_of, now_s)
     else:

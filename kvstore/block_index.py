@@ -15,8 +15,9 @@ lookups, ``bytes`` slicing and ``translate``), never a Python object per block::
     keys[3]               (no row: held by nobody, the scan stops here)
 
 Only a worker holding ``keys[0]`` can have a prefix: a match cuts the columns of the slots
-non-zero in the first row (found in C), and every other worker of the answer gets its frozen
-empty match, so on a large cluster a match costs its holders, not a call per worker.
+non-zero in the first row (found in C) into a copy of the answer's frozen empty matches (kept
+while the workers asked for are the same), and names those holders in ``MatchSnapshot.held``,
+so on a large cluster a match costs its holders, not a call per worker.
 
 The usable length is ``kvstore.hitrule``'s. Slots are reused once their worker holds
 nothing; rows widen (doubling) when a new slot does not fit. Not thread-safe: the owner locks.
@@ -74,6 +75,8 @@ class BlockIndex:
         self._width = _MIN_WIDTH  # bytes in every row
         self._free_slots = list(range(self._width - 1, -1, -1))  # pop(): the last freed, else lowest unused
         self._empty_matches: dict[str, WorkerMatch] = {}  # made once per worker; forgotten with it
+        # The last ``worker_ids`` matched against, with every one's empty match and its position.
+        self._last_empties: tuple[list[str], tuple[WorkerMatch, ...], dict[str, int]] = ([], (), {})
 
     def apply(self, event: BlockEvent) -> None:
         """One worker's stored (or moved) or removed block."""
@@ -101,17 +104,21 @@ class BlockIndex:
         except TypeError:  # an unhashable key: the check below names it
             rows = []
         check_keys(keys[len(rows) :])  # the keys found were checked when they were stored
+        empties, position = self._empties(worker_ids)
         if not rows:
-            return MatchSnapshot(len(keys), tuple(map(self._empty_match, worker_ids)))
+            return MatchSnapshot(len(keys), empties, ())
         matrix, owners = b"".join(rows), self._owners
-        held = {owners[m.start()]: m.start() for m in _HELD.finditer(rows[0])}  # by worker: its slot
-        column, empty = self._column_match, self._empty_match
-        return MatchSnapshot(len(keys), tuple([column(w, held[w], matrix) if w in held else empty(w)
-                                               for w in worker_ids]))
+        held = sorted((position[w], w, m.start()) for m in _HELD.finditer(rows[0])
+                      if (w := owners[m.start()]) in position)  # by position in the answer, with its slot
+        matches, column = list(empties), self._column_match
+        for i, w, slot in held:
+            matches[i] = column(w, slot, matrix)
+        return MatchSnapshot(len(keys), tuple(matches), tuple(matches[i] for i, _, _ in held))
 
     def drop_worker(self, worker_id: str) -> None:
         """Forget every block ``worker_id`` holds."""
         self._empty_matches.pop(worker_id, None)
+        self._last_empties = ([], (), {})
         held = self._worker_blocks.pop(worker_id, None)
         if held is None:
             return
@@ -149,6 +156,18 @@ class BlockIndex:
         for key, row in self._rows.items():
             assert len(row) == self._width and any(row), f"row of {key.hex()}: {bytes(row)!r}"
         assert num_pairs == sum(len(row) - row.count(0) for row in self._rows.values()), "block maps differ"
+
+    def _empties(self, worker_ids: Iterable[str]) -> tuple[tuple[WorkerMatch, ...], dict[str, int]]:
+        """Every worker's empty match, in the order of ``worker_ids``, and each one's position
+        there: kept while a match asks for the same workers (a registry's alive ids change
+        rarely, and comparing two lists of the same strings is a pass in C)."""
+        ids = worker_ids if isinstance(worker_ids, list) else list(worker_ids)
+        last_ids, empties, position = self._last_empties
+        if ids != last_ids:
+            empties = tuple(map(self._empty_match, ids))
+            position = {w: i for i, w in enumerate(ids)}
+            self._last_empties = (list(ids), empties, position)  # a copy: the caller's list may change
+        return empties, position
 
     def _empty_match(self, worker_id: str) -> WorkerMatch:
         """The answer for a worker that does not hold the first key (or holds nothing: decode

@@ -96,10 +96,18 @@ class WorkerMatch:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class MatchSnapshot:
-    """Per alive worker (sorted by id, zero matches included), the match of ``num_keys`` keys."""
+    """Per alive worker (sorted by id, zero matches included), the match of ``num_keys`` keys;
+    ``held``: those that hold a block (in the same order), what a reader that skips the zero
+    matches needs (most workers of a large cluster hold no prefix of a request). Made from
+    ``matches`` when not given; not compared (it follows from them)."""
 
     num_keys: int
     matches: tuple[WorkerMatch, ...]
+    held: tuple[WorkerMatch, ...] = dataclasses.field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.held is None:
+            object.__setattr__(self, "held", tuple(m for m in self.matches if m.num_blocks_present))
 
     def get(self, worker_id: str) -> WorkerMatch | None:
         """The match of ``worker_id``, or None when that worker is not alive."""

@@ -176,7 +176,7 @@ class Simulation:
                              r.tbt_slo_s or 0.0, block_keys=life.keys, num_prompt_tokens=r.prompt_len)
         routed = self.core.route(facts)
         match = self.cluster.last_match
-        present = max((m.num_blocks_present for m in match.matches), default=0) if match else 0
+        present = max((m.num_blocks_present for m in match.held), default=0) if match else 0
         self.prefix_hit_blocks += present // self.k
         self.trace_blocks += len(r.hash_ids)
         if isinstance(routed.outcome, Rejection):

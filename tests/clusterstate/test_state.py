@@ -228,11 +228,20 @@ def test_match_follows_the_hit_rule_on_random_holdings(harness: Harness) -> None
             gone = rng.choice(workers)
             index.remove(gone)
             holdings[gone] = {}
+            # Matched without it (the answers' workers change), then with it again.
+            assert_match(index, keys, _hit_rule_match(holdings, [w for w in workers if w != gone], keys))
             index.register(info(gone))
         shuffled = rng.sample(keys, len(keys))
         for query in (keys, keys[: rng.randint(0, len(keys))], keys[rng.randint(1, 6):], shuffled):
-            assert index.match(query) == _hit_rule_match(holdings, workers, query)
+            assert_match(index, query, _hit_rule_match(holdings, workers, query))
     check(index)
+
+
+def assert_match(index, keys: list[bytes], expected: MatchSnapshot) -> None:
+    """``index.match(keys)`` is ``expected``, and its ``held`` are its matches that hold a block."""
+    got = index.match(keys)
+    assert got == expected
+    assert got.held == tuple(m for m in expected.matches if m.num_blocks_present)
 
 
 # --- memory mechanism: exact lease arithmetic, integrity, threads ------------------------
