@@ -40,7 +40,8 @@ import torch
 
 from deploy.local import free_port
 from kvstore.blocks import ROOT_KEY, BlockKey, Tier, block_key
-from kvstore.payload import BlockPayload, encode, make_random_payload
+from kvstore.payload import BlockPayload, make_random_payload
+from kvstore.payload_format import encode
 from kvstore.store import StoreConfig, TieredStore
 
 FP = "bench-model"

@@ -33,7 +33,7 @@ from costmodel.measure_engine import synthetic_block
 from engine import HybridModel
 from kvstore.blocks import BlockKey, Tier, chain_keys
 from kvstore.hitrule import SnapshotPolicy
-from kvstore.payload import decode
+from kvstore.payload_format import decode
 from kvstore.ssd import BLOCK_SUFFIX
 from kvstore.store import StoreConfig, TieredStore
 from kvstore.transfer import BlobSink, Expected, Kind, Receiver, TransferConfig, connect

@@ -1,6 +1,6 @@
 """DRAM tier: a bounded host pool of encoded block payloads.
 
-Holds each block as its immutable encoded bytes (``payload.encode``), so a block can be
+Holds each block as its immutable encoded bytes (``payload_format.encode``), so a block can be
 served to a peer or written to SSD without re-encoding, and one checksum covers it on every
 path. Its size is the encoded length. Not thread-safe: used under the store's lock.
 """
@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 from kvstore.blocks import BlockKey, Tier
 from kvstore.ledger import TierLedger
-from kvstore.payload import read_header
+from kvstore.payload_format import read_header
 
 
 class DramTier:

@@ -20,7 +20,8 @@ from kvstore.device import DeviceTier
 from kvstore.dram import DramTier
 from kvstore.eviction import EvictionPolicy, EvictionView, make_policy
 from kvstore.metrics import StoreMetrics
-from kvstore.payload import BlockPayload, decode, encode, encode_parts
+from kvstore.payload import BlockPayload
+from kvstore.payload_format import decode, encode, encode_parts
 from kvstore.sized import SizedBlob, SizedTier
 from kvstore.ssd import SsdTier
 

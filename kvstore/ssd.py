@@ -26,7 +26,7 @@ from pathlib import Path
 
 from kvstore.blocks import KEY_BYTES, BlockKey, Tier
 from kvstore.ledger import TierLedger
-from kvstore.payload import PayloadError, read_header, verify
+from kvstore.payload_format import PayloadError, read_header, verify
 from runtime.private import FILE_MODE, private_dir
 
 logger = logging.getLogger(__name__)

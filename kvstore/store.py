@@ -36,7 +36,8 @@ from kvstore.dram import DramTier
 from kvstore.eviction import DEFAULT_POLICY, POLICIES
 from kvstore.hitrule import SnapshotPolicy
 from kvstore.metrics import StoreMetrics
-from kvstore.payload import BlockPayload, verify
+from kvstore.payload import BlockPayload
+from kvstore.payload_format import verify
 from kvstore.placement import Backend, Placement, StoreEvent, as_bytes, as_payload
 from kvstore.ssd import SsdTier
 

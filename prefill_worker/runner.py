@@ -39,7 +39,8 @@ from clusterstate.workers import PrefillJobLoad, WorkerLoad
 from engine import CacheManager, HybridModel, SequenceCache, sample
 from kvstore.device import Snapshot
 from kvstore.hitrule import SnapshotPolicy, usable_length
-from kvstore.payload import BlockPayload, PayloadError, decode
+from kvstore.payload import BlockPayload
+from kvstore.payload_format import PayloadError, decode
 from kvstore.store import TieredStore
 from kvstore.transfer.base import TransferError
 from kvstore.transfer.frames import Kind

@@ -10,15 +10,14 @@ import pytest
 import torch
 
 from kvstore.blocks import ROOT_KEY, block_key, chain_keys
-from kvstore.payload import (
+from kvstore.payload import BlockPayload, make_random_payload
+from kvstore.payload_format import (
     ALIGN_BYTES,
-    BlockPayload,
     PayloadError,
     decode,
     encode,
     encode_parts,
     encoded_nbytes,
-    make_random_payload,
     read_header,
     verify,
 )

@@ -31,7 +31,8 @@ import pytest
 import torch
 
 from kvstore.blocks import ROOT_KEY, Tier, block_key
-from kvstore.payload import encode, make_random_payload
+from kvstore.payload import make_random_payload
+from kvstore.payload_format import encode
 from kvstore.ssd import SsdTier
 from kvstore.store import TieredStore
 from tests.kvstore.ssd_writer import FP, block_for, key_for, store_config

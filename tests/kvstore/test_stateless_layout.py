@@ -12,7 +12,7 @@ import engine
 from kvstore.blocks import Tier, chain_keys
 from kvstore.device import DeviceTier
 from kvstore.hitrule import SnapshotPolicy, leading_present, usable_prefix
-from kvstore.payload import decode, encode
+from kvstore.payload_format import decode, encode
 from kvstore.store import StoreConfig, TieredStore
 from prefill_worker.blocks import payload_of_block
 from tests.kvstore.test_device_tier import BS, PrefillDecodePair

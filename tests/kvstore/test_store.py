@@ -19,7 +19,8 @@ from kvstore.blocks import BlockKey, Tier, block_key, chain_keys
 from kvstore.device import DeviceTier
 from kvstore.eviction import POLICIES
 from kvstore.metrics import StoreMetrics
-from kvstore.payload import BlockPayload, PayloadError, encode, encoded_nbytes, make_random_payload
+from kvstore.payload import BlockPayload, make_random_payload
+from kvstore.payload_format import PayloadError, encode, encoded_nbytes
 from kvstore.store import StoreConfig, StoreEvent, TieredStore
 from runtime.metrics import Identity
 

@@ -150,7 +150,7 @@ class InProcCluster:
         self._seq = 0
 
     def _block_bytes(self) -> int:
-        from kvstore.payload import encode
+        from kvstore.payload_format import encode
         from prefill_worker.blocks import payload_of_block
 
         cache = self.model.new_cache(4, 1, BS)

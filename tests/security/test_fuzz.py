@@ -11,7 +11,7 @@ Three targets:
   (``wire.FrameConnection``): random and damaged bytes raise ``FrameError`` or close the
   connection with a protocol error, and a declared body beyond ``max_frame_bytes`` is refused
   before its buffer is allocated;
-* the block payload codec (``payload.decode``): random, damaged and CRC-consistent but
+* the block payload codec (``payload_format.decode``): random, damaged and CRC-consistent but
   nonsensical encodings raise ``PayloadError``, without allocating what a header claims.
 
 Every run is derandomized (CI sees the same examples each time) and keeps no example database.
@@ -34,7 +34,8 @@ from hypothesis import strategies as st
 
 import engine
 from deploy.local import ClusterConfig, LocalCluster
-from kvstore import payload as codec
+from kvstore import payload_format as codec
+from kvstore.payload import make_random_payload
 from kvstore.transfer.base import Frame, LinkClosed
 from kvstore.transfer.frames import (
     FLAG_INLINE_BODY,
@@ -544,9 +545,9 @@ def test_oversized_body_is_refused_before_allocation(body_bytes):
 # ---- the block payload codec ---------------------------------------------------------------------
 
 PAYLOADS = (
-    codec.make_random_payload(torch.Generator().manual_seed(1), block_size=4, latent_dim=8),
-    codec.make_random_payload(torch.Generator().manual_seed(2), mla_layer_ids=(0,), kda_layer_ids=(1, 2),
-                              block_size=2, latent_dim=4, dtype=torch.bfloat16),
+    make_random_payload(torch.Generator().manual_seed(1), block_size=4, latent_dim=8),
+    make_random_payload(torch.Generator().manual_seed(2), mla_layer_ids=(0,), kda_layer_ids=(1, 2),
+                        block_size=2, latent_dim=4, dtype=torch.bfloat16),
 )
 ENCODED = tuple(codec.encode(p) for p in PAYLOADS)
 FIELDS = codec._FIXED_FIELDS  # the fixed header's field names in byte order
