@@ -3,8 +3,9 @@ replica starts or repairs from (made from the state's ``export``, read back into
 entries with the blocks each worker holds), the script that stores one, and the log entries
 that write a whole state into a new log after the store lost its data.
 
-Pure functions of the state, the snapshot and the keys; reading the stream, the snapshot
-lock and when a snapshot is due belong to ``clusterstate.redis_log``.
+Pure functions of the state, the snapshot and the keys; reading the stream and when a
+snapshot is due belong to ``clusterstate.redis_follow``, the snapshot lock's commands to
+``clusterstate.redis_store``.
 """
 
 from __future__ import annotations
