@@ -25,14 +25,14 @@ connection of every backend starts with a mutual HMAC challenge-response (``auth
 ``TransferConfig.encrypt`` (what ``--tls`` sets) tcp links are then sealed with AES-256-GCM
 under per-connection keys from that handshake (``aead``).
 
-Modules: ``frames`` (header layout, checksums), ``base`` (config, errors, interfaces),
-``auth`` (the connection handshake, the link keys), ``aead`` (a sealed direction),
-``progress`` / ``stream`` (receiver bookkeeping, fences), ``outgoing`` (queued frames,
-coalescing), ``sender`` / ``receiver`` (the engine), ``connection`` (frames over a stream,
-plain or sealed), ``wire`` / ``tcp`` / ``shm`` / ``ring`` / ``ucx`` (backends; ``orphans``:
-abandoned UCX operations), ``placement`` / ``regions`` / ``direct`` (one-copy shm placement:
-the description, the receiver's shared memory, the sender's copy), ``ioloop`` (the I/O
-thread), ``sinks``, ``metrics``.
+Modules: ``frames`` (header layout, checksums), ``base`` (config, errors, interfaces), ``auth``
+(the connection handshake, the link keys), ``aead`` (a sealed direction), ``progress`` /
+``stream`` (receiver bookkeeping, fences), ``outgoing`` (queued frames, coalescing), ``sender``
+/ ``receiver`` (the engine), ``connection`` (frames over a stream, plain or sealed; ``body``:
+the body being received, ``writer``: the send side), ``wire`` / ``tcp`` / ``shm`` / ``ring`` /
+``ucx`` (backends; ``orphans``: abandoned UCX operations), ``placement`` / ``regions`` /
+``direct`` (one-copy shm placement: the description, the receiver's shared memory, the sender's
+copy), ``ioloop`` (the I/O thread), ``sinks``, ``metrics``.
 """
 
 from kvstore.transfer.base import (

@@ -18,13 +18,15 @@ Encrypted (``set_receive_cipher`` / ``set_send_cipher``, switched on by the hand
 read as 176 sealed bytes and opened; a body's ciphertext lands, a piece at a time, in a small
 cipher buffer and is decrypted from there straight into its targets; its tag is checked after
 the last piece. A header or body that fails authentication fails the connection (``_fail``),
-and so every request on it. Writes are then whole frames (``write_frame``), sealed, a body
-encrypted piece by piece just before each piece is written.
+and so every request on it; writes are then sealed (``writer``).
 
 While the consumer holds a frame (its body unread, or an inline body in use) the connection
-stops reading and parsing, so one staging buffer per connection suffices. Writes go out with
-``writelines`` from the caller's memoryviews (zero-copy when plaintext) and wait on the
-transport's flow control. Everything here runs on the I/O loop thread; nothing is locked.
+stops reading and parsing, so one staging buffer per connection suffices. The connection owns
+the stream: its read area, staging and cipher buffers, headers, holding and delivery, and its
+end; and two parts it delegates to: ``body.IncomingBody``, the body being read (where it lands,
+its checksum, its decryption and tag), and ``writer.FrameWriter``, the send side (writes,
+checksummed and sealed bodies, the wait on flow control), whose writing methods it takes as
+its own. Everything here runs on the I/O loop thread; nothing is locked.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from cryptography.exceptions import InvalidTag
 
 from kvstore.transfer.aead import SEALED_HEADER_BYTES, TAG_BYTES, Direction
 from kvstore.transfer.base import Frame, LinkClosed
+from kvstore.transfer.body import RECV_PIECE_BYTES, IncomingBody
 from kvstore.transfer.frames import (
     FLAG_TRAILING_CHECKSUM,
     HEADER_BYTES,
@@ -44,14 +47,12 @@ from kvstore.transfer.frames import (
     ChecksumAlgo,
     FrameError,
     FrameHeader,
-    checksum,
     unpack_header,
 )
+from kvstore.transfer.writer import FrameWriter
 
 logger = logging.getLogger(__name__)
 READ_AREA_BYTES = 64 << 10
-RECV_PIECE_BYTES = 512 << 10  # at most this per recv into a body (or per sealed piece): in L2 still
-SMALL_PIECE_BYTES = 64 << 10  # checksummed without releasing the GIL (a hand-off costs more)
 
 
 class FrameConnection(asyncio.BufferedProtocol):
@@ -74,43 +75,33 @@ class FrameConnection(asyncio.BufferedProtocol):
         self._area_start = 0
         self._area_end = 0
         self._staging = bytearray(0)
-        self._body_header: FrameHeader | None = None  # set while a body is being read
-        self._filled_bytes = 0  # body bytes of _body_header landed so far
-        # Where the body being read goes, in order (the staging buffer, or a consumer's views),
-        # and the checksum of what has landed (deferred data bodies only).
-        self._targets: list = []
-        self._body_targets = 0  # targets of the body proper; a trailing checksum's follows them
-        self._expect_bytes = 0  # the body and its trailer
-        self._trailer = bytearray(TRAILER.size)
-        self._target_index = 0
-        self._target_filled = 0
-        self._algo: ChecksumAlgo | None = None
-        self._crc = 0
+        # The body being read: where it lands, its checksum and decryption (``body``).
+        self._body = IncomingBody(self)
         self._body_done: asyncio.Future[tuple[int, int]] | None = None
         self._deferred: FrameHeader | None = None  # a delivered data frame whose body is unread
         self._holding = False
-        # Encryption (see the module docstring): what is still to come of the body being read.
+        # Encryption (see the module docstring): a sealed body's ciphertext lands here first.
         self._recv_cipher: Direction | None = None
-        self._send_cipher: Direction | None = None
         self._cipher_buffer: memoryview | None = None
-        self._decryptor = None
-        self._cipher_left = 0
-        self._tag = bytearray(TAG_BYTES)
-        self._tag_filled = 0
-        self._frame_writing = False  # an encrypted frame is being written piece by piece
-        self._write_ready = asyncio.Event()
+        self._write_ready = asyncio.Event()  # flow control (``pause_writing``): the writer waits on it
         self._write_ready.set()
         self.made = asyncio.Event()  # set by connection_made, which may run after create_connection returns
         self.closed = asyncio.Event()
         self.closed_reason = ""
         self.closed_by_peer = False  # the peer ended the stream (EOF, reset or death), not we
         self._closing = False  # we closed or aborted the transport
-        self._eof_sent = False
         self.transport: asyncio.Transport | None = None
+        # The send side; its methods are bound here once, so a write costs no call more.
+        self._writer = writer = FrameWriter(self, self._write_ready)
+        self.write = writer.write
+        self.write_frame = writer.write_frame
+        self.write_checked_frame = writer.write_checked_frame
+        self.write_frame_nowait = writer.write_frame_nowait
+        self.write_eof = writer.write_eof
 
     @property
     def encrypted(self) -> bool:
-        return self._send_cipher is not None
+        return self._writer.cipher is not None
 
     def set_receive_cipher(self, direction: Direction) -> None:
         """Everything read from now on is sealed by the peer under ``direction``'s key."""
@@ -119,22 +110,24 @@ class FrameConnection(asyncio.BufferedProtocol):
 
     def set_send_cipher(self, direction: Direction) -> None:
         """Everything written from now on is sealed under ``direction``'s key (``write_frame``)."""
-        self._send_cipher = direction
+        self._writer.set_cipher(direction)
 
     # ---- incoming --------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # uvloop's transports do not subclass asyncio.Transport
+        self._writer.connected(transport)
         self.made.set()
         if self._on_connected is not None:
             self._on_connected(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._body_header is not None:  # the rest of a body goes straight into its target
+        body = self._body
+        if body.header is not None:  # the rest of a body goes straight into its target
             if self._recv_cipher is not None:  # ciphertext first into the cipher buffer
-                return self._cipher_buffer[: min(self._cipher_left + TAG_BYTES - self._tag_filled, RECV_PIECE_BYTES)]
-            start = self._target_filled
-            return self._targets[self._target_index][start : start + RECV_PIECE_BYTES]
+                return self._cipher_buffer[: min(body.cipher_left + TAG_BYTES - body.tag_filled, RECV_PIECE_BYTES)]
+            start = body.filled
+            return body.targets[body.index][start : start + RECV_PIECE_BYTES]
         if self._area_start == self._area_end:
             self._area_start = self._area_end = 0
         elif len(self._area) - self._area_end < SEALED_HEADER_BYTES:  # compact a partial header to the front
@@ -144,74 +137,34 @@ class FrameConnection(asyncio.BufferedProtocol):
         return self._area_view[self._area_end :]
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._body_header is None:
+        body = self._body
+        if body.header is None:
             self._area_end += nbytes
             self._parse()
         elif self._recv_cipher is not None:
-            self._open_body(self._cipher_buffer[:nbytes])
-        elif self._landed(nbytes):
+            body.open(self._cipher_buffer[:nbytes])
+        elif body.landed(nbytes):
             self._body_complete()
 
-    def _landed(self, nbytes: int) -> bool:
-        """``nbytes`` more of the body are in the current target: checksum them, move on; True
-        once the whole body is in."""
-        target = self._targets[self._target_index]
-        if self._algo is not None and self._target_index < self._body_targets:
-            piece = target[self._target_filled : self._target_filled + nbytes]
-            self._crc = checksum(self._algo, piece, self._crc, hold_gil=nbytes <= SMALL_PIECE_BYTES)
-        self._target_filled += nbytes
-        self._filled_bytes += nbytes
-        if self._target_filled == len(target):
-            self._target_index += 1
-            self._target_filled = 0
-        return self._filled_bytes == self._expect_bytes
-
-    def _open_body(self, data: memoryview) -> int:
-        """Decrypt ciphertext of the body being read into its targets, then take its tag; returns
-        how many bytes of ``data`` that used (the rest belongs to what follows)."""
-        used = 0
-        while used < len(data) and self._body_header is not None:
-            if self._cipher_left:
-                target = self._targets[self._target_index]
-                take = min(len(data) - used, self._cipher_left, len(target) - self._target_filled)
-                self._decryptor.update_into(
-                    data[used : used + take], target[self._target_filled : self._target_filled + take]
-                )
-                self._cipher_left -= take
-                used += take
-                self._landed(take)
-                continue
-            take = min(len(data) - used, TAG_BYTES - self._tag_filled)
-            self._tag[self._tag_filled : self._tag_filled + take] = data[used : used + take]
-            self._tag_filled += take
-            used += take
-            if self._tag_filled == TAG_BYTES:
-                try:
-                    self._decryptor.finalize_with_tag(bytes(self._tag))
-                except InvalidTag:
-                    self._fail(f"protocol error: the body of {self._body_header.describe()} failed authentication "
-                               "(tampered with or corrupted in transit)")
-                    return used
-                self._body_complete()
-        return used
-
     def _body_complete(self) -> None:
-        header, self._body_header = self._body_header, None
-        self._filled_bytes = 0
-        self._decryptor = None
+        body = self._body
+        header, body.header = body.header, None  # ends the body (see ``body``'s docstring)
+        body.filled_bytes = 0
+        body.decryptor = None
         self._holding = True
         self.transport.pause_reading()
         done, self._body_done = self._body_done, None
         if done is None:  # a staged control body: the frame is delivered with it
-            self._frames.put_nowait(Frame(header, self._targets[0] if self._targets else memoryview(b"")))
+            self._frames.put_nowait(Frame(header, body.targets[0] if body.targets else memoryview(b"")))
         elif not done.done():
             trailing = header.flags & FLAG_TRAILING_CHECKSUM
-            done.set_result((self._crc, TRAILER.unpack(self._trailer)[0] if trailing else header.body_checksum))
+            done.set_result((body.crc, TRAILER.unpack(body.trailer)[0] if trailing else header.body_checksum))
 
     def _parse(self) -> None:
         """Turn every complete header in the read area into a frame, until a body must be read
         or held."""
-        while not self._holding and self._body_header is None and not self.closed.is_set():
+        body = self._body
+        while not self._holding and body.header is None and not self.closed.is_set():
             unit = HEADER_BYTES if self._recv_cipher is None else SEALED_HEADER_BYTES
             if self._area_end - self._area_start < unit:
                 return
@@ -225,22 +178,21 @@ class FrameConnection(asyncio.BufferedProtocol):
                     self._fail("protocol error: a frame header failed authentication (tampered with or corrupted)")
                     return
             self._on_header(raw)
-            if self._body_header is not None:  # a staged body: its first bytes may sit behind the header
+            if body.header is not None:  # a staged body: its first bytes may sit behind the header
                 self._take_from_area()
 
     def _take_from_area(self) -> None:
         """Move body bytes already in the read area into the targets, as if they had just landed."""
+        body = self._body
         if self._recv_cipher is not None:
-            self._area_start += self._open_body(self._area_view[self._area_start : self._area_end])
+            self._area_start += body.open(self._area_view[self._area_start : self._area_end])
             return
-        while self._body_header is not None and self._area_start < self._area_end:
-            target = self._targets[self._target_index]
-            take = min(self._area_end - self._area_start, len(target) - self._target_filled)
-            target[self._target_filled : self._target_filled + take] = self._area_view[
-                self._area_start : self._area_start + take
-            ]
+        while body.header is not None and self._area_start < self._area_end:
+            target = body.targets[body.index]
+            take = min(self._area_end - self._area_start, len(target) - body.filled)
+            target[body.filled : body.filled + take] = self._area_view[self._area_start : self._area_start + take]
             self._area_start += take
-            if self._landed(take):
+            if body.landed(take):
                 self._body_complete()
 
     def _on_header(self, raw: memoryview) -> None:
@@ -272,31 +224,13 @@ class FrameConnection(asyncio.BufferedProtocol):
             self.transport.pause_reading()
             self._frames.put_nowait(Frame(header, None))
             return
-        self._start_body(header, [self._staging_view(header.body_bytes)], None)
+        self._body.start(header, [self._staging_view(header.body_bytes)], None, self._recv_cipher)
 
     def _staging_view(self, nbytes: int) -> memoryview:
         if len(self._staging) < nbytes:
             # A new buffer, not a resize: views of the old one may still be alive.
             self._staging = bytearray(min(self._max_frame_bytes, max(nbytes, 2 * len(self._staging))))
         return memoryview(self._staging)[:nbytes]
-
-    def _start_body(self, header: FrameHeader, targets: list, algo: ChecksumAlgo | None) -> None:
-        self._body_header = header
-        self._targets = [t for t in targets if len(t)]
-        self._body_targets = len(self._targets)
-        self._expect_bytes = header.body_bytes
-        if header.flags & FLAG_TRAILING_CHECKSUM:
-            self._targets.append(memoryview(self._trailer))
-            self._expect_bytes += TRAILER.size
-        self._target_index = self._target_filled = self._filled_bytes = 0
-        self._algo = None if algo == ChecksumAlgo.AEAD else algo
-        self._crc = 0
-        if self._recv_cipher is not None:  # the body's nonce follows its header's
-            self._decryptor = self._recv_cipher.decryptor()
-            self._cipher_left = header.body_bytes
-            self._tag_filled = 0
-        elif header.body_bytes == 0:
-            self._body_complete()
 
     async def receive_into(self, header: FrameHeader, targets: Sequence | None) -> tuple[memoryview, int, int]:
         """Read the body of the deferred data frame ``header`` into ``targets`` (writable byte
@@ -317,9 +251,9 @@ class FrameConnection(asyncio.BufferedProtocol):
             raise ValueError(f"{header.describe()}: targets hold {sum(len(v) for v in views)} bytes, not "
                              f"{header.body_bytes}")
         self._body_done = done = asyncio.get_running_loop().create_future()
-        self._start_body(header, views, header.checksum_algo)
+        self._body.start(header, views, header.checksum_algo, self._recv_cipher)
         self._take_from_area()
-        if self._body_header is not None:  # more to come from the socket
+        if self._body.header is not None:  # more to come from the socket
             self._holding = False
             self.transport.resume_reading()
         actual, expected = await done
@@ -358,17 +292,18 @@ class FrameConnection(asyncio.BufferedProtocol):
             return
         if not self._closing:
             self.closed_by_peer = True
-        if self._body_header is not None:
+        partial = self._body.header
+        if partial is not None:
             reason = (
-                f"truncated frame: connection closed after {self._filled_bytes} of "
-                f"{self._body_header.body_bytes} body bytes of {self._body_header.describe()}"
+                f"truncated frame: connection closed after {self._body.filled_bytes} of "
+                f"{partial.body_bytes} body bytes of {partial.describe()}"
             )
         elif self._area_end > self._area_start and self._deferred is None:
             got = self._area_end - self._area_start
             reason = f"truncated frame: connection closed after {got} of {HEADER_BYTES} header bytes"
         else:
             reason = "connection closed by peer" + (f" ({exc})" if exc else "")
-        self._mark_closed(reason, self._body_header)
+        self._mark_closed(reason, partial)
 
     def _fail(self, reason: str) -> None:
         logger.warning("closing transfer connection: %s", reason)
@@ -392,106 +327,6 @@ class FrameConnection(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self._write_ready.set()
-
-    async def write(self, *parts: bytes | memoryview) -> None:
-        """Queue ``parts`` (raw bytes) on the transport and wait while its write buffer is over
-        the high mark. Not on an encrypted link: use ``write_frame``."""
-        assert self._send_cipher is None, "raw write on an encrypted link"
-        await self._write_raw(parts)
-
-    async def _write_raw(self, parts: Sequence[bytes | memoryview]) -> None:
-        if self.transport is None:
-            await self.made.wait()
-        if self.closed.is_set() or self.transport.is_closing():
-            raise ConnectionError(self.closed_reason or "connection is closing")
-        self.transport.writelines(parts)
-        await self._write_ready.wait()
-        if self.closed.is_set():
-            raise ConnectionError(self.closed_reason)
-
-    async def write_frame(
-        self, header: bytes, parts: Sequence[bytes | memoryview] = (), *, corrupt: bool = False, cut: bool = False
-    ) -> None:
-        """Write one frame: its packed ``header`` and body ``parts``; sealed on an encrypted
-        link, the body encrypted a piece at a time, each piece written while it is in cache.
-        Test-only faults there: ``corrupt`` flips one ciphertext byte (its tag then fails),
-        ``cut`` stops after half the body (no tag). One frame at a time (the sender's writer)."""
-        cipher = self._send_cipher
-        if cipher is None:
-            await self._write_raw((header, *parts))
-            return
-        assert not self._frame_writing, "two frames written at once on an encrypted link"
-        self._frame_writing = True
-        try:
-            await self._write_raw((cipher.seal(header),))
-            body_bytes = sum(len(p) for p in parts)
-            if body_bytes:
-                await self._write_sealed_body(cipher, parts, body_bytes, corrupt, cut)
-        finally:
-            self._frame_writing = False
-
-    async def write_checked_frame(self, header: FrameHeader, parts: Sequence, corrupt: bool = False) -> None:
-        """Write one plaintext data frame whose checksum trails its body: each piece (at most
-        ``RECV_PIECE_BYTES``) is checksummed just before it is written, so the kernel's copy
-        reads it from cache, and the checksum follows the body (``FLAG_TRAILING_CHECKSUM``).
-        ``corrupt`` (test-only) damages a copy of one piece after checksumming it."""
-        assert self._send_cipher is None, "checksummed frames are plaintext"
-        algo = header.checksum_algo
-        await self._write_raw((header._replace(flags=header.flags | FLAG_TRAILING_CHECKSUM, body_checksum=0).pack(),))
-        crc, transport, ready = 0, self.transport, self._write_ready
-        for part in parts:
-            view = memoryview(part).cast("B")
-            for offset in range(0, len(view), RECV_PIECE_BYTES):
-                piece = view[offset : offset + RECV_PIECE_BYTES]
-                crc = checksum(algo, piece, crc, hold_gil=len(piece) <= SMALL_PIECE_BYTES)
-                if corrupt:
-                    piece, corrupt = bytearray(piece), False
-                    piece[len(piece) // 2] ^= 0xFF
-                # _write_raw inlined: a coroutine per piece would cost more than the checks
-                if self.closed.is_set() or transport.is_closing():
-                    raise ConnectionError(self.closed_reason or "connection is closing")
-                transport.write(piece)
-                if not ready.is_set():
-                    await ready.wait()
-        await self._write_raw((TRAILER.pack(crc),))
-
-    async def _write_sealed_body(
-        self, cipher: Direction, parts: Sequence, body_bytes: int, corrupt: bool, cut: bool
-    ) -> None:
-        encryptor, written = cipher.encryptor(), 0
-        for part in parts:
-            view = memoryview(part).cast("B")
-            for offset in range(0, len(view), RECV_PIECE_BYTES):
-                piece = encryptor.update(view[offset : offset + RECV_PIECE_BYTES])
-                if corrupt and written == 0:
-                    piece = bytearray(piece)
-                    piece[len(piece) // 2] ^= 0xFF
-                written += len(piece)
-                await self._write_raw((piece,))
-                if cut and written >= body_bytes // 2:
-                    return
-        encryptor.finalize()
-        await self._write_raw((encryptor.tag,))
-
-    def write_frame_nowait(self, header: bytes, payload: bytes = b"") -> None:
-        """Write one small frame (a reply) at once, without waiting on flow control; sealed on
-        an encrypted link. Dropped once the connection is closing."""
-        if self.transport is None or self.closed.is_set() or self.transport.is_closing():
-            return
-        cipher = self._send_cipher
-        if cipher is None:
-            self.transport.writelines((header, payload))
-            return
-        assert not self._frame_writing, "a reply written inside a frame on an encrypted link"
-        # A small body sealed in one go has the streaming layout: ciphertext, then its tag.
-        self.transport.writelines((cipher.seal(header), cipher.seal(payload)) if payload else (cipher.seal(header),))
-
-    def write_eof(self) -> None:
-        """Half-close: no more frames from us; replies can still arrive."""
-        transport = self.transport
-        if transport is not None and not transport.is_closing() and not self._eof_sent:
-            self._eof_sent = True
-            transport.write_eof()
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
