@@ -1,5 +1,5 @@
 """The ucx backend's own mechanics (its contract tests run with every backend in
-``test_transfer.py`` and ``test_transfer_auth.py``): ucxx is installed by the test install and
+``test_transfer_contract.py`` and ``test_transfer_auth.py``): ucxx is installed by the test install and
 works here without a GPU (UCX over tcp on loopback); abandoned UCX operations are collected
 (every exception retrieved) and logged once per link, in one line, when it closes; a killed
 peer leaves no exception unretrieved; ``shutdown_ucx`` stops ucxx's notifier thread, even when

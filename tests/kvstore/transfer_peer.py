@@ -1,4 +1,5 @@
-"""Child-process peer for tests/kvstore/test_transfer.py (and the data both sides agree on).
+"""Child-process peer for the transfer tests (``test_transfer_contract.py``, ``test_transfer_shm.py``),
+and the data both sides agree on.
 
 ``send`` mode connects to a receiver and pushes one request of the shared layout built from a
 seed; it imports no torch, so it starts fast. ``receive`` mode (imports torch) listens, expects

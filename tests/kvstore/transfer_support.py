@@ -1,7 +1,8 @@
 """Parent-side helpers of the transfer tests: ``BACKENDS`` (every backend; ucx is part of the
-test install, ``scripts/dev.sh test``, so its tests never skip) and ``Peer``, a
+test install, ``scripts/dev.sh test``, so its tests never skip), ``Peer``, a
 ``transfer_peer.py`` child process whose JSON lines arrive on a queue, killed at teardown
-(the ``spawn`` fixture of conftest)."""
+(the ``spawn`` fixture of conftest), and ``send_args``, the command line of a peer that sends
+one request to a receiver."""
 
 from __future__ import annotations
 
@@ -14,13 +15,22 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from kvstore.transfer import Receiver
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PEER_SCRIPT = Path(__file__).with_name("transfer_peer.py")
 EVENT_TIMEOUT_S = 30.0
 BACKENDS = ["shm", "tcp", "ucx"]
+
+
+def send_args(rx: Receiver, rid: str, *extra: str) -> list[str]:
+    """``spawn`` arguments of a ``transfer_peer.py`` that sends request ``rid`` to ``rx``."""
+    return ["send", "--address", rx.address, "--rid", rid, *extra]
 
 
 class Peer:
