@@ -133,6 +133,15 @@ def test_dockerignore_keeps_what_the_build_needs() -> None:
     assert not needed & ignored
 
 
+def test_the_installed_package_carries_every_package_of_the_checkout() -> None:
+    # The image installs the checkout as a wheel (not editable): a top-level package left out of
+    # pyproject's list is missing there, and the image's import check fails on it.
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    included = {p.rstrip("*") for p in packages}
+    top_level = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}
+    assert top_level <= included, f"pyproject's packages leave out {sorted(top_level - included)}"
+
+
 def test_hadolint_finds_nothing() -> None:
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     if hadolint is None:
