@@ -15,7 +15,7 @@ round by round in a rotating order, so a burst of load from other processes land
 
 A loop step is the interval between two consecutive full-batch steps, stamped by the
 scheduler's metrics hook: admission, the model step, sampling and handing the tokens over.
-``in_loop_model`` is the hook's own figure for the model step and sampling of the same
+``in_loop_model_us`` is the hook's own figure for the model step and sampling of the same
 iterations, and ``overhead_us`` the median over steps of (interval - in-loop model): the
 loop's own work, measured inside each iteration so that it does not drown in the noise of
 two separately timed medians. ``ratio`` is median(loop) / median(bare) (the issue's goal:

@@ -22,7 +22,7 @@ class WorkerRole(enum.StrEnum):
 class WorkerInfo:
     """What a worker told the Conductor when it registered. ``instance_id`` is the secret that
     binds the id to one process (``runtime.auth.session_key``): the registry keeps it, the
-    shared store holds it only sealed (``clusterstate.sealing``), ``Workers`` never returns it."""
+    shared store holds it only sealed (``clusterstate.records.StoreKeys``), ``Workers`` never returns it."""
 
     worker_id: str
     role: WorkerRole

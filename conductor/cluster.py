@@ -2,7 +2,7 @@
 that reach each worker.
 
 The cluster's state (registrations, leases, loads, block holdings) is owned by
-``clusterstate.ClusterState`` and changed only through the cluster's log
+``clusterstate.state.ClusterState`` and changed only through the cluster's log
 (``clusterstate.log``), so every Conductor replica holds the same one. This module checks
 each change before it goes into the log: a worker may register only itself, with the
 cluster's one model and block size (and any extra check the Conductor adds, such as its

@@ -46,10 +46,8 @@ Split = tuple[list[Sample], list[Sample]]  # (fit, held out)
 
 def default_threads() -> int:
     """TIDEKV_TORCH_THREADS through the one module that reads the environment (default 1)."""
-    try:
-        from runtime.settings import torch_threads
-    except ImportError:  # before the move of deploy/settings.py to runtime/
-        from deploy.settings import torch_threads  # type: ignore[no-redef]
+    from runtime.settings import torch_threads
+
     return torch_threads()
 
 

@@ -17,7 +17,7 @@ The key is what the call must prove (``Need``):
   Conductor's calls to a worker (Prefill, Reserve, Renew, Decode, Release) use it, so no other
   process, member or not, can take a worker's place or drive a worker.
 - ``OPEN``: nothing (health, reflection, and the public ``Generate``, which checks API keys
-  itself: ``runtime.apikeys``).
+  itself: ``conductor.apikeys``).
 
 A server accepts a signature once (its ``NonceStore``), only for its own audience, within
 the clock limits, and only if it was made after the server's start (its *floor*, so nothing

@@ -287,7 +287,7 @@ def start_metrics(host: str = "127.0.0.1", port: int = 0, identity: Identity | N
     """Serve ``registry`` (default ``REGISTRY``) at ``http://host:port/metrics``; port 0 takes
     a free port, ``OFF_PORT`` (-1) serves nothing. ``identity`` also enables the process
     context (``enable``) for the transfer engine's metrics. ``advertise_host`` (default: host,
-    loopback for a wildcard) is the host in ``address``. ``tls`` (``runtime.grpc_server.TlsFiles``)
+    loopback for a wildcard) is the host in ``address``. ``tls`` (``runtime.tls.TlsFiles``)
     with a certificate serves HTTPS. RuntimeError naming the address when it cannot bind."""
     if identity is not None:
         enable(identity, registry)

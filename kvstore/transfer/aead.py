@@ -10,7 +10,7 @@ ever used twice under one key. Both ends take nonces in the same order, one per 
 
 A body is sealed and opened as a stream (``encryptor``/``decryptor``), piece by piece, so the
 receiver decrypts straight into the destination pages; its tag is checked once the last byte
-is in (``wire.FrameConnection``), and a failed tag fails the connection: the destination then
+is in (``body.IncomingBody``), and a failed tag fails the connection: the destination then
 holds garbage and its request fails, as for a bad checksum. Frames on such a link name
 ``ChecksumAlgo.AEAD``: the tag, a 128-bit MAC under a key only the two ends hold, replaces the
 CRC (a CRC guards against accidents, the tag against attackers too).

@@ -97,7 +97,7 @@ def connection_factory(
 ) -> Callable[[], FrameConnection]:
     """Protocol factory of a stream connection that starts with the handshake's body limit
     (``HANDSHAKE_BODY_BYTES`` when a key is set) until ``accept_peer``/``prove_to`` lift it
-    (``defer_data_bodies``: see ``wire.FrameConnection``)."""
+    (``defer_data_bodies``: see ``connection.FrameConnection``)."""
     first_limit = HANDSHAKE_BODY_BYTES if config.auth_key else config.max_frame_bytes
     return lambda: FrameConnection(first_limit, on_connected, defer_data_bodies)
 

@@ -58,7 +58,7 @@ REQUEST_ID_MAX_BYTES = 64
 FLAG_INLINE_BODY = 0x01
 FLAG_DIRECT = 0x02  # the body is already in the receiver's destination (shm direct placement)
 # The inline body is followed by its 4-byte checksum (little-endian) and body_checksum is 0: the
-# sender checksums each piece just before it writes it (tcp data frames, ``connection``).
+# sender checksums each piece just before it writes it (tcp data frames, ``writer``).
 FLAG_TRAILING_CHECKSUM = 0x04
 TRAILER = struct.Struct("<I")
 
@@ -177,7 +177,7 @@ def checksum(algo: ChecksumAlgo, body, value: int = 0, hold_gil: bool = False) -
     received. Both algorithms release the GIL on large inputs unless ``hold_gil`` (crc32c only:
     for a small body, handing the GIL to another thread and back costs more than the checksum)."""
     if algo == ChecksumAlgo.AEAD:
-        return 0  # checked by the link's tag, which only an encrypted link accepts (``wire``)
+        return 0  # checked by the link's tag, which only an encrypted link accepts (``connection``)
     if algo == ChecksumAlgo.CRC32C:
         if _crc32c is None:
             raise FrameError("frame uses crc32c but the crc32c package is not installed here")

@@ -2,7 +2,7 @@
 
 Bodies leave straight from the tensor's memory (``writelines`` of a memoryview) and land, via
 ``recv_into``, straight in the destination pages when the sink names them (``base.ViewSink``),
-checksummed piece by piece as they land (``wire.FrameConnection.receive_into``); otherwise in
+checksummed piece by piece as they land (``connection.FrameConnection.receive_into``); otherwise in
 the connection's staging buffer, from which the sink copies them. Listeners bind ``config.bind_host`` (127.0.0.1 by
 default). Every stream connection, of this backend and of shm and ucx (``serve_factory``,
 ``open_tcp``), starts with the authentication exchange of ``auth``. Runs on the I/O loop only.
@@ -58,7 +58,7 @@ def serve_factory(
     """Protocol factory for a listener: each accepted connection authenticates its peer
     (``auth.accept_peer``; a peer that fails is dropped there), then runs
     ``on_link(make_link(conn))``. ``defer_data_bodies``: inline data bodies wait for the
-    receiver to say where they go (``wire.FrameConnection.receive_into``)."""
+    receiver to say where they go (``connection.FrameConnection.receive_into``)."""
 
     async def accept(conn: FrameConnection) -> None:
         if not await accept_peer(conn, config, scheme):

@@ -1,5 +1,5 @@
 """Fuzzing with hypothesis of the transfer frame parser (``frames.unpack_header``) and the
-stream reader that drives it (``wire.FrameConnection``).
+stream reader that drives it (``connection.FrameConnection``, through ``wire``).
 
 Random and damaged bytes raise ``FrameError`` or close the connection with a protocol error,
 and a declared body beyond ``max_frame_bytes`` is refused before its buffer is allocated.
